@@ -1,0 +1,1 @@
+"""Prophets: every drafter implements `specdec.drafters.base.Drafter`."""

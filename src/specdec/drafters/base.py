@@ -1,0 +1,51 @@
+"""The drafter protocol: propose up to k tokens (with q, or none for a deterministic
+drafter), then hear what was committed so that caches and indexes stay in step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdec.sampling import SamplingParams
+
+# Called after each drafted token with that step's q (V,) (one-hot for a greedy drafter):
+# returning False stops drafting early (the confidence policy).
+KeepDrafting = Callable[[torch.Tensor], bool]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None  # (len(tokens), V) q_1..q_k; None = deterministic (one-hot q)
+    drafter: str
+    step_spans: list[tuple[float, float]] = field(default_factory=list)  # perf_counter spans, for the timeline
+    forward_calls: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    name: str
+    vocab_size: int | None  # None for drafters that are not models
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
+        """Up to k tokens that might follow context; fewer (even none) is allowed."""
+        ...
+
+    def committed(self, context: Sequence[int]) -> None:
+        """The round is over and context is the new committed sequence."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-request state (caches, the prompt index)."""
+        ...
+
+
+def span() -> float:
+    return time.perf_counter()

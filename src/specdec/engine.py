@@ -1,0 +1,292 @@
+"""The loop: draft -> score -> verify -> commit, one `RoundEvent` per round.
+
+One round (MISSION.md):
+  1. the drafter(s) propose up to K tokens, recording q for each;
+  2. the target scores the committed tokens its cache lacks plus the draft in ONE forward
+     pass, giving p_1..p_{K+1} (for several drafters: a token tree with a tree mask);
+  3. verify.py accepts a prefix and samples one recovered or bonus token;
+  4. the output is extended, stops are applied, and both caches are rolled back to the
+     committed length (the invariant: a cache holds a prefix of the committed tokens).
+Plain decoding is the same loop with no drafter: every round is one target step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.errors import ContextLengthError
+from specdec.events import RoundEvent
+from specdec.lm import CausalLM, sync
+from specdec.policy import Policy, RoundOutcome
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.stats import Stats, summarize
+from specdec.verify import DraftTree, verify_chain, verify_tree
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # generated ids only (the prompt excluded)
+    prompt_ids: list[int]
+    finish_reason: str  # "eos", "length", "stop" or "context"
+    events: list[RoundEvent] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+@dataclass
+class _Request:
+    """The mutable state of one generation."""
+
+    context: list[int]
+    n_prompt: int
+    max_new_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    stop: list[str]
+    t0: float
+    finish_reason: str | None = None
+    stop_at: int | None = None  # character where a stop string begins
+    text_sent: int = 0  # characters of text already released to the stream
+
+    @property
+    def generated(self) -> list[int]:
+        return self.context[self.n_prompt :]
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of `target` with zero, one or several drafters.
+
+    With several drafters, `multi="tree"` merges their drafts into one token tree verified
+    exactly in one target pass; `multi="best"` lets the drafter with the best recent
+    acceptance draft alone each round.
+    """
+
+    def __init__(self, target: CausalLM, drafters: Drafter | Sequence[Drafter] | None = None,
+                 tokenizer: Any = None, policy: Policy | None = None, multi: str = "tree",
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        if drafters is None:
+            drafters = []
+        elif not isinstance(drafters, Sequence):
+            drafters = [drafters]
+        if multi not in ("tree", "best"):
+            raise ValueError(f"multi must be 'tree' or 'best', got {multi!r}")
+        for d in drafters:
+            if d.vocab_size is not None and d.vocab_size != target.vocab_size:
+                raise ValueError(f"drafter '{d.name}' scores {d.vocab_size} ids, the target {target.vocab_size}")
+        self.target = target
+        self.drafters = list(drafters)
+        self.tokenizer = tokenizer
+        self.policy = policy or Policy(5)
+        self.multi = multi
+        self.eos_token_ids = set(eos_token_ids)
+        self._recent = {d.name: 1.0 for d in self.drafters}  # running tokens/round, for multi="best"
+
+    # ----------------------------------------------------------------- public API
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
+                 draft_tokens: int | None = None, stop: str | Sequence[str] | None = None) -> Generation:
+        """Generate a continuation; the same arguments as `stream`, all rounds collected."""
+        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
+        events = list(self._rounds(req, release_text=False))
+        return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
+                          req.finish_reason or "length", events, summarize(events))
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
+               draft_tokens: int | None = None, stop: str | Sequence[str] | None = None) -> Iterator[RoundEvent]:
+        """Yield one event per round; each carries the text it releases (`event.text`)."""
+        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
+        yield from self._rounds(req, release_text=True)
+
+    def _rounds(self, req: _Request, release_text: bool) -> Iterator[RoundEvent]:
+        index = 0
+        while req.finish_reason is None:
+            event = self._round(req, index)
+            if release_text:
+                event.text = self._release_text(req)
+            event.finish_reason = req.finish_reason
+            index += 1
+            yield event
+
+    # ----------------------------------------------------------------- a request
+    def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
+               draft_tokens: int | None, stop: str | Sequence[str] | None) -> _Request:
+        ids = self._encode(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(ids) >= self.target.max_length:
+            raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
+                                     f"{self.target.max_length} tokens: shorten the prompt")
+        if draft_tokens is not None:
+            self.policy.k = Policy(draft_tokens).k  # validates K >= 1
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        gen = torch.Generator()
+        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        for d in self.drafters:
+            d.reset()
+        self.target.truncate(0)
+        return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter())
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.target.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        return ids
+
+    # ----------------------------------------------------------------- one round
+    def _draft_budget(self, req: _Request) -> int:
+        """K for this round: the policy's, cut so a round can never overshoot max_new_tokens
+        (a round yields up to K+1 tokens) or the target's context."""
+        remaining = req.max_new_tokens - len(req.generated)
+        room = self.target.max_length - len(req.context)
+        return max(0, min(self.policy.next_k(), remaining - 1, room))
+
+    def _round(self, req: _Request, index: int) -> RoundEvent:
+        start = time.perf_counter()
+        k = self._draft_budget(req) if self.drafters else 0
+        drafts = self._propose(req, k) if k > 0 else []
+        if len(drafts) <= 1:
+            event = self._verify_chain(req, drafts[0] if drafts else None, k, start, index)
+        else:
+            event = self._verify_tree(req, drafts, k, start, index)
+        self._commit(req, event)
+        event.end = time.perf_counter() - req.t0
+        self.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
+                                         event.draft_calls))
+        if event.drafter in self._recent:
+            self._recent[event.drafter] = 0.8 * self._recent[event.drafter] + 0.2 * (event.accepted + 1)
+        return event
+
+    def _propose(self, req: _Request, k: int) -> list[Draft]:
+        active = self.drafters
+        if self.multi == "best" and len(active) > 1:
+            active = [max(active, key=lambda d: self._recent[d.name])]
+        drafts = [d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting()) for d in active]
+        return [d for d in drafts if len(d)]
+
+    def _score(self, req: _Request, drafted: list[int]) -> torch.Tensor:
+        """p_1..p_{K+1}: (K+1, V), from one target forward pass."""
+        feed = sync(self.target, req.context)
+        logits = self.target.forward(feed + drafted, len(drafted) + 1)
+        return logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
+
+    def _verify_chain(self, req: _Request, draft: Draft | None, k: int, start: float, index: int) -> RoundEvent:
+        tokens = draft.tokens if draft else []
+        t0 = time.perf_counter()
+        target_probs = self._score(req, tokens)
+        t1 = time.perf_counter()
+        draft_tokens = torch.tensor(tokens, dtype=torch.long)
+        verdict = verify_chain(draft_tokens, draft.probs if draft else None, target_probs, req.generator)
+        name = draft.drafter if draft else None
+        return RoundEvent(
+            index=index, drafter=name, k=k, drafted=list(tokens), accepted=verdict.n_accepted,
+            next_token=verdict.next_token, next_kind=verdict.next_kind, committed=[],
+            draft_calls=draft.forward_calls if draft else 0, target_calls=1, start=start - req.t0, end=0.0,
+            draft_spans=[(a - req.t0, b - req.t0) for a, b in (draft.step_spans if draft else [])],
+            target_span=(t0 - req.t0, t1 - req.t0), accepted_by=[name] * verdict.n_accepted if name else [],
+            proposals={name: len(tokens)} if name else {})
+
+    def _verify_tree(self, req: _Request, drafts: list[Draft], k: int, start: float, index: int) -> RoundEvent:
+        tree = DraftTree()
+        for d in drafts:
+            tree.add_chain(d.tokens, d.probs, d.drafter)
+        t0 = time.perf_counter()
+        feed = sync(self.target, req.context)
+        logits = self.target.forward_tree(feed, tree.tokens, tree.parents)
+        target_probs = logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
+        t1 = time.perf_counter()
+        verdict = verify_tree(tree, target_probs, req.generator)
+        self.target.keep_tree_path(len(feed), verdict.path, tree.tokens)
+        spans = [(a - req.t0, b - req.t0) for d in drafts for a, b in d.step_spans]
+        return RoundEvent(
+            index=index, drafter="+".join(d.drafter for d in drafts), k=k,
+            drafted=[tree.tokens[n] for n in verdict.path],
+            accepted=len(verdict.path), next_token=verdict.next_token, next_kind=verdict.next_kind, committed=[],
+            draft_calls=sum(d.forward_calls for d in drafts), target_calls=1, start=start - req.t0, end=0.0,
+            draft_spans=spans, target_span=(t0 - req.t0, t1 - req.t0), tree_size=len(tree.tokens),
+            accepted_by=verdict.accepted_by, proposals={d.drafter: len(d) for d in drafts})
+
+    # ----------------------------------------------------------------- commit and stops
+    def _commit(self, req: _Request, event: RoundEvent) -> None:
+        """Append the round's tokens one by one, stopping at EOS, max_new_tokens or the
+        context limit; then stop strings; then roll both caches back."""
+        accepted = event.drafted[: event.accepted]
+        before = len(req.context)
+        for token in [*accepted, event.next_token]:
+            req.context.append(token)
+            if token in self.eos_token_ids:
+                req.finish_reason = "eos"
+            elif len(req.generated) >= req.max_new_tokens:
+                req.finish_reason = "length"
+            elif len(req.context) >= self.target.max_length:
+                req.finish_reason = "context"
+            if req.finish_reason:
+                break
+        if req.stop:
+            self._apply_stop_strings(req, before)
+        event.committed = req.context[before:]
+        sync(self.target, req.context)
+        for d in self.drafters:
+            d.committed(req.context)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _apply_stop_strings(self, req: _Request, before: int) -> None:
+        text = self._decode(req.generated)
+        longest = max(len(s) for s in req.stop)
+        search_from = max(0, len(self._decode(req.context[req.n_prompt : before])) - longest)
+        hits = [(pos, s) for s in req.stop if (pos := text.find(s, search_from)) >= 0]
+        if not hits:
+            return
+        pos, s = min(hits)
+        # Keep the fewest tokens whose text reaches the end of the stop string.
+        for j in range(before - req.n_prompt + 1, len(req.generated) + 1):
+            if len(self._decode(req.generated[:j])) >= pos + len(s):
+                del req.context[req.n_prompt + j :]
+                break
+        req.finish_reason = "stop"
+        req.stop_at = pos
+
+    def _final_text(self, req: _Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self._decode(req.generated)
+        return text[: req.stop_at] if req.stop_at is not None else text
+
+    def _release_text(self, req: _Request) -> str:
+        """Text a stream may show now: never a half-decoded UTF-8 character, and never text
+        that a stop string could still cut away."""
+        if self.tokenizer is None:
+            return ""
+        text = self._final_text(req)
+        if req.finish_reason is None:
+            text = text.rstrip("\ufffd")
+            if req.stop:
+                text = text[: max(req.text_sent, len(text) - max(len(s) for s in req.stop) + 1)]
+        delta = text[req.text_sent :]
+        req.text_sent = max(req.text_sent, len(text))
+        return delta

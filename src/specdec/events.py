@@ -1,0 +1,47 @@
+"""What one round of the engine did: the single record from which text, stats and
+pictures are all derived. Times are seconds relative to the start of the generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoundEvent:
+    index: int
+    drafter: str | None  # who drafted this round; None for a plain decoding step
+    k: int  # draft length the policy asked for
+    drafted: list[int]  # proposed tokens (the accepted path's candidates, for a tree)
+    accepted: int  # how many drafted tokens were accepted (a prefix)
+    next_token: int  # the recovered or bonus token that ends the round
+    next_kind: str  # "recovered" or "bonus"
+    committed: list[int]  # tokens appended to the output this round, after stop cuts
+    draft_calls: int  # drafter forward passes this round
+    target_calls: int  # target forward passes this round (1)
+    start: float
+    end: float
+    draft_spans: list[tuple[float, float]] = field(default_factory=list)
+    target_span: tuple[float, float] = (0.0, 0.0)
+    tree_size: int = 0  # nodes scored when several drafters proposed a tree
+    accepted_by: list[str] = field(default_factory=list)  # drafter of each accepted token
+    proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per drafter
+    text: str = ""  # text released to a stream this round
+    finish_reason: str | None = None
+
+    @property
+    def draft_s(self) -> float:
+        return sum(b - a for a, b in self.draft_spans)
+
+    @property
+    def target_s(self) -> float:
+        return self.target_span[1] - self.target_span[0]
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(draft_s=self.draft_s, target_s=self.target_s, wall_s=self.wall_s)
+        return d

@@ -1,0 +1,190 @@
+"""Language models as the engine sees them: score tokens, own a KV cache, roll it back.
+
+The engine never touches a model directly; it talks to a `CausalLM`:
+- `tokens` are the ids whose keys/values are cached (a prefix of the context);
+- `forward(new_ids, n_logits)` appends `new_ids` and returns logits for the last
+  `n_logits` of them (teacher forcing: K drafted tokens are scored in one call);
+- `forward_tree(...)` scores a token tree in one call (several prophets);
+- `truncate(n)` rolls the cache back to its first n tokens (rejected tokens are dropped).
+
+`sync(context)` keeps the invariant used by the engine: after it, the cache holds the
+longest common prefix of its tokens and the context, but never the whole context, so
+the next forward always has at least one token to produce the next distribution from.
+
+`HFCausalLM` adapts any Hugging Face causal LM with a croppable cache; `specdec.toy`
+has table-based models behind the same interface, whose exact distributions are known.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from specdec.errors import ModelLoadError, VocabularyMismatchError
+
+
+class CausalLM(Protocol):
+    name: str
+    vocab_size: int  # number of token ids scored (the shared vocabulary)
+    max_length: int  # context limit in tokens
+    tokens: list[int]  # ids whose keys/values are in the cache
+    forward_calls: int
+
+    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor: ...  # (n_logits, V)
+
+    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
+                     tree_parents: Sequence[int]) -> torch.Tensor: ...  # (1 + N, V)
+
+    def truncate(self, n: int) -> None: ...
+
+    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def sync(lm: CausalLM, context: Sequence[int]) -> list[int]:
+    """Roll lm's cache back to what context shares with it; return the ids still to feed."""
+    keep = min(common_prefix(lm.tokens, context), len(context) - 1)
+    if keep < len(lm.tokens):
+        lm.truncate(keep)
+    return list(context[keep:])
+
+
+class HFCausalLM:
+    """A Hugging Face causal LM with a `DynamicCache`, batch size 1."""
+
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self.name = name
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._cache_cls = DynamicCache
+        self.device = next(model.parameters()).device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+
+    @torch.inference_mode()
+    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
+        """Append new_ids (n,) to the cache; logits (n_logits, V) for the last n_logits of them."""
+        start = len(self.tokens)
+        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True,
+                         logits_to_keep=n_logits)
+        self.tokens.extend(new_ids)
+        self.forward_calls += 1
+        return out.logits[0, -n_logits:, : self.vocab_size].float()
+
+    @torch.inference_mode()
+    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
+                     tree_parents: Sequence[int]) -> torch.Tensor:
+        """Append new_ids (a chain) then a token tree, in one call, with a tree attention mask.
+
+        Returns logits (1 + N, V): after the last of new_ids, then after each tree node.
+        The tree's cache entries stay until `keep_tree_path` keeps the accepted path.
+        """
+        start = len(self.tokens)
+        n_new, n_tree = len(new_ids), len(tree_tokens)
+        total = start + n_new + n_tree
+        depth = [0] * n_tree
+        for i, par in enumerate(tree_parents):
+            depth[i] = 1 if par < 0 else depth[par] + 1
+        positions = list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth]
+        allowed = torch.zeros(n_new + n_tree, total, dtype=torch.bool)
+        allowed[:, :start] = True
+        allowed[:n_new, start : start + n_new] = torch.tril(torch.ones(n_new, n_new, dtype=torch.bool))
+        allowed[n_new:, start : start + n_new] = True
+        for i in range(n_tree):
+            node = i
+            while node >= 0:  # a node sees itself and its ancestors, not its siblings
+                allowed[n_new + i, start + n_new + node] = True
+                node = tree_parents[node]
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        input_ids = torch.tensor([list(new_ids) + list(tree_tokens)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, position_ids=torch.tensor([positions], device=self.device),
+                         attention_mask=mask[None, None].to(self.device), cache=self.cache, use_cache=True)
+        self.tokens.extend(list(new_ids) + list(tree_tokens))
+        self.forward_calls += 1
+        return out.logits[0, n_new - 1 :, : self.vocab_size].float()
+
+    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
+        """After forward_tree: keep the chain and the accepted path's entries, drop the rest."""
+        base = len(self.tokens) - len(tree_tokens)
+        keep = torch.tensor(list(range(base)) + [base + node for node in path], device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+
+    def truncate(self, n: int) -> None:
+        drop = len(self.tokens) - n
+        if drop > 0:
+            self.cache.crop(-drop)
+            del self.tokens[n:]
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep in name and not _is_hub_id(name)
+
+
+def _is_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                    role: str = "model") -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face id or a local directory, with clear errors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
+        raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path,
+                                                  trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name_or_path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load {role} '{name_or_path}': {e}") from e
+    return model, tokenizer
+
+
+def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | None, draft_tok: Any | None,
+                      target_name: str, draft_name: str | None) -> int:
+    """The ids both models score. Embeddings padded past the tokenizer are sliced away;
+    anything else that differs is an error naming both models."""
+    n_tok = len(target_tok)
+    if target_model.config.vocab_size < n_tok:
+        raise VocabularyMismatchError(
+            f"target '{target_name}' scores {target_model.config.vocab_size} ids but its tokenizer has {n_tok}")
+    if draft_model is None or draft_tok is None:
+        return n_tok
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        only_t = len(set(target_tok.get_vocab()) - set(draft_tok.get_vocab()))
+        only_d = len(set(draft_tok.get_vocab()) - set(target_tok.get_vocab()))
+        raise VocabularyMismatchError(
+            f"target '{target_name}' and drafter '{draft_name}' have different vocabularies "
+            f"({len(target_tok)} vs {len(draft_tok)} entries; {only_t} only in the target's, {only_d} only in the "
+            f"drafter's). Speculative decoding needs a drafter with the target's tokenizer.")
+    if draft_model.config.vocab_size < n_tok:
+        raise VocabularyMismatchError(
+            f"drafter '{draft_name}' scores {draft_model.config.vocab_size} ids but the shared tokenizer has {n_tok}")
+    return n_tok

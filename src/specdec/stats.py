@@ -1,0 +1,108 @@
+"""Round events -> the figures users judge a prophet by.
+
+Terms (defined once, see verify.py): drafted = tokens proposed; accepted = drafted tokens
+that passed; recovered = resampled at a rejection; bonus = sampled after a fully accepted
+draft. acceptance_rate = accepted / drafted; tokens_per_round = output tokens / rounds
+(the mean accepted run length + 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specdec.events import RoundEvent
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    new_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_round: float = 0.0
+    mean_accepted_run: float = 0.0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    other_s: float = 0.0
+    tokens_per_s: float = 0.0
+    # accepted / proposed at draft positions 1..K: a mean can hide a collapse late in the draft
+    acceptance_by_position: list[float] = field(default_factory=list)
+    per_drafter: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _position_profile(events: Sequence[RoundEvent]) -> list[float]:
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for e in events:
+        if e.tree_size:  # a tree has no single draft position order
+            continue
+        for i in range(len(e.drafted)):
+            if i >= len(proposed):
+                proposed.append(0)
+                accepted.append(0)
+            proposed[i] += 1
+            accepted[i] += i < e.accepted
+    return [a / p for a, p in zip(accepted, proposed, strict=True)]
+
+
+def _per_drafter(events: Sequence[RoundEvent]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        for name, n in e.proposals.items():
+            d = out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
+            d["rounds"] += 1
+            d["drafted"] += n
+        for name in e.accepted_by:
+            out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})["accepted"] += 1
+    for d in out.values():
+        d["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
+    return out
+
+
+def summarize(events: Sequence[RoundEvent]) -> Stats:
+    s = Stats()
+    if not events:
+        return s
+    s.rounds = len(events)
+    for e in events:
+        s.target_calls += e.target_calls
+        s.draft_calls += e.draft_calls
+        s.drafted += sum(e.proposals.values()) if e.proposals else len(e.drafted)
+        s.accepted += e.accepted
+        s.recovered += e.next_kind == "recovered"
+        s.bonus += e.next_kind == "bonus"
+        s.new_tokens += len(e.committed)
+        s.draft_s += e.draft_s
+        s.target_s += e.target_s
+    s.wall_s = events[-1].end - events[0].start
+    s.other_s = max(0.0, s.wall_s - s.draft_s - s.target_s)
+    s.acceptance_rate = s.accepted / s.drafted if s.drafted else 0.0
+    s.tokens_per_round = (s.accepted + s.rounds) / s.rounds
+    s.mean_accepted_run = s.accepted / s.rounds
+    s.tokens_per_s = s.new_tokens / s.wall_s if s.wall_s > 0 else 0.0
+    s.acceptance_by_position = _position_profile(events)
+    s.per_drafter = _per_drafter(events)
+    return s
+
+
+def expected_tokens_per_round(a: float, k: float) -> float:
+    """(1 - a^(K+1)) / (1 - a): expected output tokens of a round with i.i.d. acceptance a."""
+    if a >= 1.0:
+        return k + 1
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def predicted_speedup(a: float, k: float, c: float, verify_cost: float = 1.0) -> float:
+    """Leviathan et al.'s walltime gain, with verification costing `verify_cost` target steps."""
+    return expected_tokens_per_round(a, k) / (k * c + verify_cost)

@@ -1,0 +1,95 @@
+"""Table-based language models whose exact output distribution is computable.
+
+A `MarkovLM` is a random Markov chain of order `order` over a small vocabulary, behind
+the same `CausalLM` interface as a real model (cache of tokens, truncate, tree scoring).
+`sequence_distribution` enumerates every continuation of a given length with its exact
+probability under given sampling settings: the ground truth for the statistical tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from specdec.sampling import SamplingParams, logits_to_probs
+
+
+class MarkovLM:
+    def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20) -> None:
+        """table (V,)*order + (V,): logits of the next token given the last `order` tokens."""
+        self.table = table.float()
+        self.order = table.dim() - 1
+        self.vocab_size = table.shape[-1]
+        self.name = name
+        self.max_length = max_length
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+
+    @classmethod
+    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 2.0,
+               name: str = "markov") -> MarkovLM:
+        g = torch.Generator().manual_seed(seed)
+        return cls(torch.randn((vocab_size,) * (order + 1), generator=g) * sharpness, name)
+
+    def blend(self, other: MarkovLM, weight: float, name: str) -> MarkovLM:
+        """A drafter close to this model: logits mixed with other's (weight 0 = identical)."""
+        return MarkovLM((1 - weight) * self.table + weight * other.table, name, self.max_length)
+
+    def logits_after(self, context: Sequence[int]) -> torch.Tensor:
+        """(V,) logits of the next token; missing history is padded with token 0."""
+        hist = [0] * max(0, self.order - len(context)) + list(context[-self.order :])
+        return self.table[tuple(hist)]
+
+    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
+        start = len(self.tokens)
+        self.tokens.extend(new_ids)
+        self.forward_calls += 1
+        rows = [self.logits_after(self.tokens[: i + 1]) for i in range(start, len(self.tokens))]
+        return torch.stack(rows[-n_logits:])
+
+    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
+                     tree_parents: Sequence[int]) -> torch.Tensor:
+        first = self.forward(new_ids, 1)
+        self.forward_calls -= 1
+        base = list(self.tokens)
+        rows = [first[0]]
+        for i in range(len(tree_tokens)):
+            path = []
+            node = i
+            while node >= 0:
+                path.append(tree_tokens[node])
+                node = tree_parents[node]
+            rows.append(self.logits_after(base + path[::-1]))
+        self.tokens.extend(tree_tokens)
+        self.forward_calls += 1
+        return torch.stack(rows)
+
+    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
+        base = len(self.tokens) - len(tree_tokens)
+        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.forward_calls = 0
+
+
+def sequence_distribution(lm: MarkovLM, prompt: Sequence[int], length: int,
+                          params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Exact probability of every continuation of `length` tokens under `params`."""
+    out: dict[tuple[int, ...], float] = {}
+    for seq in itertools.product(range(lm.vocab_size), repeat=length):
+        prob = 1.0
+        ctx = list(prompt)
+        for tok in seq:
+            prob *= float(logits_to_probs(lm.logits_after(ctx), params)[tok])
+            if prob == 0.0:
+                break
+            ctx.append(tok)
+        if prob > 0:
+            out[seq] = prob
+    return out

@@ -1,0 +1,13 @@
+"""python -m specdec.train: the whole bundled-pair pipeline (prepare, target, drafters)."""
+
+import sys
+from pathlib import Path
+
+from specdec.train.pipeline import distill, load_config, prepare, train_target
+
+if __name__ == "__main__":
+    cfg = load_config(Path(sys.argv[1] if len(sys.argv) > 1 else "configs/bundled.toml"))
+    work = Path(".cache/bundled")
+    prepare(cfg, work)
+    train_target(cfg, work, Path("models/target"))
+    distill(cfg, work, Path("models/target"), Path("models/drafter"), data_out_dir=work / "drafter-data")

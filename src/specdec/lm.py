@@ -153,7 +153,9 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust
                     role: str = "model") -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face id or a local directory, with clear errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     path = Path(name_or_path).expanduser()
     if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
         raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")

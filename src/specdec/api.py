@@ -1,0 +1,51 @@
+"""Loading a decoder from Hugging Face ids or local paths: the usual entry point.
+
+    from specdec import load
+    decoder = load()                                  # the bundled pair
+    decoder = load("path/to/target", draft="path/to/drafter", policy="adaptive")
+    out = decoder.generate("def fib(n):", max_new_tokens=64, temperature=0)
+    print(out.text, out.stats.tokens_per_round)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specdec.defaults import default_drafter, default_target
+from specdec.engine import SpeculativeDecoder
+from specdec.lm import HFCausalLM, load_pretrained, shared_vocab_size
+from specdec.policy import make_policy
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def load(target: str | None = None, draft: str | None = "default", policy: str = "fixed", draft_tokens: int = 5,
+         multi: str = "tree", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+         retrieval_index: str | None = None) -> SpeculativeDecoder:
+    """A decoder for `target` with the drafter(s) described by `draft`.
+
+    draft: "default" (the bundled drafter when the target is the bundled one), "none"
+    (plain decoding), a model id or path, "ngram", "retrieval", "layerskip:L", or several
+    joined with "+" (e.g. "models/drafter+ngram") for several prophets at once.
+    """
+    from specdec.drafters import build_drafters
+
+    target_name = target or default_target()
+    if draft == "default":
+        draft = default_drafter() if target is None else "none"
+    model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target")
+    vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
+    target_lm = HFCausalLM(model, target_name, vocab)
+    drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=dtype,
+                              trust_remote_code=trust_remote_code, retrieval_index=retrieval_index)
+    return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens), multi,
+                              _eos_ids(model, tokenizer))

@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and threads that spin-wait on a busy
+# 2-core machine make every small op ~20x slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A tokenizer, a small random Llama target and two drafters, saved to disk and
+    loadable with from_pretrained: a close drafter (the target plus noise) and a far one."""
+    from tests.tiny import build_tiny_pair
+
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny"))

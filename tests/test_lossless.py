@@ -1,0 +1,103 @@
+"""Layer 3 of the losslessness tests: the whole loop (drafter + verify + rollback + bonus
++ stops) against toy models whose exact distribution over continuations is known.
+
+Each case samples continuations of 3 tokens and runs Pearson's chi-square test against
+the exact distribution at significance ALPHA = 0.001 (fixed seeds: the outcome is
+reproducible). The negative controls replace the verifier by plausible wrong ones and
+must be caught by the same test, which proves the test has power.
+"""
+
+import pytest
+import torch
+
+import specdec.engine as engine_mod
+from specdec.drafters.model import ModelDrafter
+from specdec.engine import SpeculativeDecoder
+from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
+from specdec.sampling import sample
+from specdec.toy import MarkovLM
+from specdec.verify import Verdict
+from tests.helpers import fit_against_exact
+
+V, PROMPT, LENGTH, N = 5, [1, 2], 3, 3000
+
+
+def models():
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    good = target.blend(MarkovLM.random(V, order=2, seed=12), 0.35, "good")
+    bad = MarkovLM.random(V, order=2, seed=13, sharpness=2.5, name="bad")
+    return target, good, bad
+
+
+CASES = [
+    # (drafter, K, settings)
+    ("good", 1, dict(temperature=1.0)),
+    ("good", 3, dict(temperature=1.0)),
+    ("bad", 3, dict(temperature=1.0)),
+    ("good", 5, dict(temperature=0.6)),
+    ("bad", 2, dict(temperature=1.7)),
+    ("good", 3, dict(temperature=1.0, top_k=3)),
+    ("bad", 4, dict(temperature=0.8, top_p=0.7)),
+    ("good", 2, dict(temperature=1.2, top_k=4, top_p=0.9)),
+]
+
+
+@pytest.mark.parametrize("drafter,k,settings", CASES)
+def test_speculative_sampling_matches_the_exact_distribution(drafter, k, settings):
+    target, good, bad = models()
+    decoder = SpeculativeDecoder(target, ModelDrafter(good if drafter == "good" else bad), policy=Policy(k))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, **settings)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("policy", [AdaptivePolicy(2), ConfidencePolicy(6, 0.5), OptimalPolicy(3)],
+                         ids=["adaptive", "confidence", "optimal"])
+def test_policies_are_lossless(policy):
+    target, good, _ = models()
+    decoder = SpeculativeDecoder(target, ModelDrafter(good), policy=policy)
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("multi", ["tree", "best"])
+def test_several_drafters_are_lossless(multi):
+    target, good, bad = models()
+    decoder = SpeculativeDecoder(target, [ModelDrafter(good), ModelDrafter(bad)], policy=Policy(3), multi=multi)
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.9, top_k=4)
+    assert result.passed, result
+
+
+def test_plain_decoding_matches_the_exact_distribution():
+    target, _, _ = models()
+    result = fit_against_exact(SpeculativeDecoder(target), target, PROMPT, LENGTH, N, temperature=1.0)
+    assert result.passed, result
+
+
+def argmax_matching_verifier(draft_tokens, draft_probs, target_probs, generator):
+    """Wrong on purpose: accept while the draft equals the target's argmax (the greedy
+    rule) even at temperature 1, then sample from p."""
+    n = 0
+    while n < len(draft_tokens) and int(draft_tokens[n]) == int(target_probs[n].argmax()):
+        n += 1
+    kind = "bonus" if n == len(draft_tokens) else "recovered"
+    return Verdict(n, int(sample(target_probs[n], generator)), kind)
+
+
+def resample_from_p_verifier(draft_tokens, draft_probs, target_probs, generator):
+    """Wrong on purpose: the right acceptance test, but the replacement token is drawn
+    from p instead of the residual norm(max(0, p - q)) (a classic bug)."""
+    k = len(draft_tokens)
+    for i in range(k):
+        x = int(draft_tokens[i])
+        if float(torch.rand((), generator=generator)) * float(draft_probs[i, x]) >= float(target_probs[i, x]):
+            return Verdict(i, int(sample(target_probs[i], generator)), "recovered")
+    return Verdict(k, int(sample(target_probs[k], generator)), "bonus")
+
+
+@pytest.mark.parametrize("wrong", [argmax_matching_verifier, resample_from_p_verifier])
+def test_negative_control_biased_verifier_is_caught(monkeypatch, wrong):
+    target, good, _ = models()
+    monkeypatch.setattr(engine_mod, "verify_chain", wrong)
+    decoder = SpeculativeDecoder(target, ModelDrafter(good), policy=Policy(3))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
+    assert not result.passed, result

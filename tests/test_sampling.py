@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.sampling import InvalidLogitsError, SamplingParams, logits_to_probs
+
+
+def test_greedy_is_one_hot_on_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 5.0, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0))
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+def test_temperature_matches_softmax():
+    logits = torch.randn(3, 11)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.7))
+    assert torch.allclose(probs, torch.softmax(logits / 0.7, -1), atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.floats(0.05, 1.0), st.integers(0, 10_000))
+def test_top_k_top_p_masks_are_respected(k, top_p, seed):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(seed)) * 3
+    probs = logits_to_probs(logits, SamplingParams(1.0, top_k=k, top_p=top_p))
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+    kept = probs > 0
+    assert int(kept.sum()) <= k
+    # everything kept is at least as likely as everything dropped
+    if (~kept).any():
+        assert logits[kept].min() >= logits[~kept].max()
+    # the kept set is the smallest prefix (after top-k) reaching top_p
+    full = torch.softmax(logits.masked_fill(logits < torch.topk(logits, k).values[-1], -math.inf), -1)
+    ordered = torch.sort(full, descending=True).values
+    n_needed = int((torch.cumsum(ordered, 0) - ordered < top_p).sum())
+    assert int(kept.sum()) == n_needed
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(top_k=-1), dict(top_k=1.5)])
+def test_invalid_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_nan_logits_are_a_clear_error():
+    with pytest.raises(InvalidLogitsError, match="target 'x' produced NaN"):
+        logits_to_probs(torch.tensor([0.0, float("nan")]), SamplingParams(), who="target 'x'")
+    with pytest.raises(InvalidLogitsError, match="-inf for every token"):
+        logits_to_probs(torch.full((3,), -math.inf), SamplingParams())

@@ -9,9 +9,9 @@ Cells with small expected counts are pooled so the chi-square approximation hold
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,7 +67,7 @@ def goodness_of_fit(observed: Mapping[Hashable, int], expected_probs: Mapping[Ha
     return TestResult(stat, dof, chi2_sf(stat, dof), alpha, n)
 
 
-def two_sample(a: Counter[Hashable], b: Counter[Hashable], alpha: float = 0.001,
+def two_sample(a: Mapping[Any, int], b: Mapping[Any, int], alpha: float = 0.001,
                min_count: int = 5) -> TestResult:
     """Chi-square test of homogeneity between two samples of outcomes; outcomes seen fewer
     than min_count times in both samples together are pooled into one cell."""

@@ -13,7 +13,7 @@ Plain decoding is the same loop with no drafter: every round is one target step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +73,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: CausalLM, drafters: Drafter | Sequence[Drafter] | None = None,
                  tokenizer: Any = None, policy: Policy | None = None, multi: str = "tree",
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = ()) -> None:
         if drafters is None:
             drafters = []
         elif not isinstance(drafters, Sequence):
@@ -92,6 +92,11 @@ class SpeculativeDecoder:
         self._recent = {d.name: 1.0 for d in self.drafters}  # running tokens/round, for multi="best"
 
     # ----------------------------------------------------------------- public API
+    def plain(self) -> SpeculativeDecoder:
+        """A decoder with no drafter over the same target model (its own cache)."""
+        target = self.target.fresh() if hasattr(self.target, "fresh") else self.target
+        return SpeculativeDecoder(target, None, self.tokenizer, Policy(1), eos_token_ids=self.eos_token_ids)
+
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                  draft_tokens: int | None = None, stop: str | Sequence[str] | None = None) -> Generation:

@@ -74,6 +74,10 @@ class HFCausalLM:
         self.device = next(model.parameters()).device
         self.reset()
 
+    def fresh(self) -> HFCausalLM:
+        """Another view of the same weights with its own, empty cache."""
+        return HFCausalLM(self.model, self.name, self.vocab_size)
+
     def reset(self) -> None:
         self.cache = self._cache_cls(config=self.model.config)
         self.tokens: list[int] = []
@@ -128,7 +132,8 @@ class HFCausalLM:
         """After forward_tree: keep the chain and the accepted path's entries, drop the rest."""
         base = len(self.tokens) - len(tree_tokens)
         keep = torch.tensor(list(range(base)) + [base + node for node in path], device=self.device)
-        for layer in self.cache.layers:
+        layers: list[Any] = list(self.cache.layers)
+        for layer in layers:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
         self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]

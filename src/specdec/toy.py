@@ -73,6 +73,9 @@ class MarkovLM:
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
 
+    def fresh(self) -> MarkovLM:
+        return MarkovLM(self.table, self.name, self.max_length)
+
     def reset(self) -> None:
         self.tokens = []
         self.forward_calls = 0

@@ -145,7 +145,7 @@ def run_loop(
         lr=s.lr,
         betas=(0.9, 0.95),
     )
-    state = {"step": 0, "elapsed": 0.0, "tokens": 0, "history": []}
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "tokens": 0, "history": []}
     rng = np.random.default_rng(s.seed)
     if ckpt_path.exists():
         saved = torch.load(ckpt_path, weights_only=False)

@@ -71,7 +71,7 @@ def _tokens(work_dir: Path, name: str) -> np.ndarray:
     return np.fromfile(work_dir / f"{name}.bin", dtype=np.uint16)
 
 
-def export(model: torch.nn.Module, tokenizer_dir: Path, out_dir: Path, meta: dict[str, Any]) -> None:
+def export(model: Any, tokenizer_dir: Path, out_dir: Path, meta: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(str(out_dir))
     model.float()

@@ -1,0 +1,204 @@
+"""The `specdec` command line: generate, check, train, distill, index, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import SpecdecError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model: Hugging Face id or local path (default: bundled)")
+    p.add_argument("--draft", default="default",
+                   help="drafter(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
+                        "with '+' (default: the bundled drafter)")
+    p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive", "confidence", "optimal"],
+                   help="draft-length policy")
+    p.add_argument("--multi", default="tree", choices=["tree", "best"],
+                   help="several drafters: verify a token tree of all drafts, or use the best recent drafter")
+    p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
+
+
+def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-tokens", "-k", type=int, default=5, help="K, tokens drafted per round")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from specdec.api import load
+
+    return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
+                multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index)
+
+
+def _stats_table(stats: Any, title: str) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False)
+    d = stats.to_dict()
+    for key in ["rounds", "target_calls", "draft_calls", "drafted", "accepted", "recovered", "bonus", "new_tokens"]:
+        t.add_row(key, str(d[key]))
+    t.add_row("acceptance_rate", f"{d['acceptance_rate']:.3f}")
+    t.add_row("tokens_per_round", f"{d['tokens_per_round']:.2f}")
+    t.add_row("acceptance by position", " ".join(f"{x:.2f}" for x in d["acceptance_by_position"]))
+    t.add_row("wall / draft / target / other (s)",
+              f"{d['wall_s']:.3f} / {d['draft_s']:.3f} / {d['target_s']:.3f} / {d['other_s']:.3f}")
+    t.add_row("tokens/s", f"{d['tokens_per_s']:.1f}")
+    return t
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    decoder = _load(args)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    if args.json:
+        out = decoder.generate(args.prompt, **settings)
+        d = out.to_dict()
+        s = d["stats"]
+        s["wall_s"] = s["wall_s"]
+        if args.compare:
+            d["plain"] = decoder.plain().generate(args.prompt, **settings).to_dict()
+        print(json.dumps(d))
+        return 0
+    err = Console(stderr=True)
+    sys.stdout.write(args.prompt)
+    events = []
+    for event in decoder.stream(args.prompt, **settings):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        events.append(event)
+    sys.stdout.write("\n")
+    from specdec.stats import summarize
+
+    stats = summarize(events)
+    err.print(_stats_table(stats, f"speculative decoding ({args.draft}, policy {args.policy})"))
+    if args.compare:
+        plain = decoder.plain().generate(args.prompt, **settings)
+        err.print(f"plain decoding: {plain.stats.wall_s:.3f}s for {plain.stats.new_tokens} tokens; "
+                  f"speedup {plain.stats.wall_s / stats.wall_s:.2f}x"
+                  + (" (identical tokens)" if args.temperature == 0 and plain.token_ids == [
+                      t for e in events for t in e.committed] else ""))
+    if args.timeline:
+        from specdec.viz import plot_timeline
+
+        plot_timeline(events, args.timeline, tokenizer=decoder.tokenizer)
+        err.print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from specdec.check import certify
+
+    decoder = _load(args)
+    if not decoder.drafters:
+        raise SpecdecError("check needs a drafter: plain decoding is compared with itself")
+    plain = decoder.plain()
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("sampling (speculative, plain)", total=args.samples)
+        report = certify(decoder, plain, args.prompt, tokens=args.tokens, samples=args.samples, alpha=args.alpha,
+                         seed=args.seed or 0, progress=lambda n: bar.update(task, completed=n),
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    r = report.result
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"samples: {r.n_a} speculative, {r.n_b} plain; {args.tokens} tokens each; "
+              f"distinct continuations {report.distinct_spec} / {report.distinct_plain}; "
+              f"acceptance rate {report.acceptance_rate:.3f}")
+        print(f"chi-square test of homogeneity: statistic {r.statistic:.2f}, dof {r.dof}, p-value {r.p_value:.4g}")
+        print(r.verdict)
+    return 0 if r.passed else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from specdec.train.pipeline import load_config, prepare, train_target
+
+    cfg = load_config(Path(args.config))
+    work = Path(args.work_dir)
+    prepare(cfg, work, Path(args.corpus_root) if args.corpus_root else None)
+    train_target(cfg, work, Path(args.out), minutes=args.minutes, max_steps=args.max_steps)
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from specdec.train.pipeline import distill, load_config
+
+    cfg = load_config(Path(args.config))
+    distill(cfg, Path(args.work_dir), Path(args.target), Path(args.out),
+            data_out_dir=Path(args.data_out) if args.data_out else None, data_minutes=args.data_minutes,
+            distill_minutes=args.distill_minutes, max_steps=args.max_steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, printing it as it is verified")
+    g.add_argument("prompt")
+    _model_args(g)
+    _sampling_args(g, temperature=0.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
+    g.add_argument("--timeline", default=None, help="write a picture of every round to this PNG")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("check", help="statistical certificate that speculation leaves the distribution unchanged")
+    _model_args(c)
+    _sampling_args(c, temperature=1.0)
+    c.add_argument("--prompt", default="def parse_args(argv):\n    ")
+    c.add_argument("--tokens", type=int, default=3, help="length of each sampled continuation")
+    c.add_argument("--samples", type=int, default=600, help="continuations sampled each way")
+    c.add_argument("--alpha", type=float, default=0.001, help="significance level")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+    t = sub.add_parser("train", help="train the tokenizer and the target on the stdlib corpus")
+    t.add_argument("--config", default="configs/bundled.toml")
+    t.add_argument("--work-dir", default=".cache/bundled")
+    t.add_argument("--out", default="models/target")
+    t.add_argument("--corpus-root", default=None, help="corpus directory (default: this Python's stdlib)")
+    t.add_argument("--minutes", type=float, default=None, help="override the config's training time")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("distill", help="train the drafter on the data, then distill it from a target")
+    d.add_argument("--config", default="configs/bundled.toml")
+    d.add_argument("--work-dir", default=".cache/bundled")
+    d.add_argument("--target", default="models/target")
+    d.add_argument("--out", default="models/drafter")
+    d.add_argument("--data-out", default=None, help="also save the data-only drafter here")
+    d.add_argument("--data-minutes", type=float, default=None)
+    d.add_argument("--distill-minutes", type=float, default=None)
+    d.add_argument("--max-steps", type=int, default=None)
+    d.set_defaults(func=cmd_distill)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (SpecdecError, ValueError) as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

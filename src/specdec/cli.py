@@ -144,6 +144,18 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from specdec.defaults import default_target
+    from specdec.drafters.retrieval import build_default_datastore, default_index_path
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_target())
+    out = Path(args.out) if args.out else default_index_path(tokenizer)
+    build_default_datastore(tokenizer, out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--distill-minutes", type=float, default=None)
     d.add_argument("--max-steps", type=int, default=None)
     d.set_defaults(func=cmd_distill)
+
+    ix = sub.add_parser("index", help="build the retrieval datastore (suffix array over the training corpus)")
+    ix.add_argument("--tokenizer", default=None, help="tokenizer to index with (default: the bundled target's)")
+    ix.add_argument("--out", default=None, help="where to write it (default: the cache used by --draft retrieval)")
+    ix.set_defaults(func=cmd_index)
     return parser
 
 

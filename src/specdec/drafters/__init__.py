@@ -3,15 +3,42 @@ turns a `--draft` spec into drafters."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.model import ModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
 from specdec.lm import HFCausalLM, load_pretrained, shared_vocab_size
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "build_drafters"]
+__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "RetrievalDrafter", "LayerSkipDrafter",
+           "build_drafters"]
+
+
+def _layers(part: str, target: HFCausalLM) -> int:
+    """layerskip:L, or plain `layerskip` for half of the target's layers."""
+    if ":" not in part:
+        return max(1, target.model.config.num_hidden_layers // 2)
+    try:
+        return int(part.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"layerskip takes a layer count, e.g. layerskip:4, got {part!r}") from None
+
+
+def _datastore(tokenizer: Any, path: str | None) -> Datastore:
+    """The given index, or the default one over the stdlib training split, built once."""
+    if path is not None:
+        if not Path(path).exists():
+            raise ValueError(f"retrieval index '{path}' does not exist: build it with `specdec index --out {path}`")
+        return Datastore.load(Path(path))
+    default = default_index_path(tokenizer)
+    if default.exists():
+        return Datastore.load(default)
+    return build_default_datastore(tokenizer, default)
 
 
 def _model_drafter(name: str, target: HFCausalLM, tokenizer: Any, dtype: torch.dtype,
@@ -36,7 +63,15 @@ def build_drafters(spec: str, target: HFCausalLM, tokenizer: Any, dtype: torch.d
     drafters: list[Drafter] = []
     for part in spec.split("+"):
         part = part.strip()
-        drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code))
+        if part == "ngram" or part.startswith("ngram:"):
+            n_max = int(part.split(":")[1]) if ":" in part else 4
+            drafters.append(NgramDrafter(n_max=n_max))
+        elif part == "retrieval":
+            drafters.append(RetrievalDrafter(_datastore(tokenizer, retrieval_index)))
+        elif part.startswith("layerskip"):
+            drafters.append(LayerSkipDrafter(target, _layers(part, target)))
+        else:
+            drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code))
     names = [d.name for d in drafters]
     if len(set(names)) != len(names):
         raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")

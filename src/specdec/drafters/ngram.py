@@ -1,0 +1,48 @@
+"""Prompt lookup: no model. Match the last n tokens (n from n_max down to n_min) against the
+prompt and the text generated so far, and propose what followed the latest match.
+Deterministic: q is one-hot, which the verifier handles exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.sampling import SamplingParams
+
+
+def lookup(context: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of the longest matching suffix. context (L,)."""
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        suffix = context[-n:]
+        # windows over context[:-1] so that a match always has at least one token after it
+        windows = sliding_window_view(context[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return context[start : start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    vocab_size: int | None = None
+
+    def __init__(self, n_max: int = 4, n_min: int = 1, name: str = "ngram") -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_max, self.n_min, self.name = n_max, n_min, name
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
+        t0 = span()
+        tokens = lookup(np.asarray(context, dtype=np.int64), k, self.n_max, self.n_min)
+        return Draft(tokens, None, self.name, [(t0, span())] if tokens else [], forward_calls=0)
+
+    def committed(self, context: Sequence[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,190 @@
+"""Every prophet and policy: unit behaviour, greedy equality with plain decoding on real
+models, and the statistical losslessness test on toy models (or `check` on real ones)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import load
+from specdec.check import certify
+from specdec.drafters.layerskip import early_exit
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.ngram import NgramDrafter, lookup
+from specdec.drafters.retrieval import WIDTH, Datastore, RetrievalDrafter
+from specdec.engine import SpeculativeDecoder
+from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy, expected_gain
+from specdec.sampling import SamplingParams, sample
+from specdec.toy import MarkovLM
+from tests.helpers import fit_against_exact
+from tests.test_hf import PROMPTS
+
+# ---------------------------------------------------------------- prompt lookup
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    ctx = np.array([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6])
+    assert lookup(ctx, 3, 3, 1) == [9, 2, 5]  # "5 6" last seen before 9 2 5
+    assert lookup(np.array([1, 2, 3]), 3, 3, 1) == []
+    assert lookup(np.array([4, 4, 4]), 5, 2, 1) == [4]
+
+
+# ---------------------------------------------------------------- retrieval
+
+
+def brute_find(tokens, pattern):
+    n = len(pattern)
+    return sorted(i for i in range(len(tokens) - n + 1) if list(tokens[i : i + n]) == list(pattern))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=20, max_size=300), st.integers(1, WIDTH), st.integers(0, 10**6))
+def test_datastore_find_matches_brute_force(tokens, m, seed):
+    tokens = np.array(tokens, dtype=np.uint16)
+    store = Datastore.build(tokens)
+    start = seed % (len(tokens) - 1)
+    pattern = tokens[start : start + m].tolist()
+    lo, hi = store.find(pattern)
+    assert sorted(store.sa[lo:hi].tolist()) == brute_find(tokens, pattern)
+
+
+def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 7], dtype=np.uint16)
+    store = Datastore.build(tokens)
+    store.save(tmp_path / "x.npz")
+    store = Datastore.load(tmp_path / "x.npz")
+    drafter = RetrievalDrafter(store)
+    draft = drafter.propose([5, 1, 2], 3, SamplingParams(0), None)
+    assert draft.tokens == [3, 9, 1] and draft.probs is None
+
+
+# ---------------------------------------------------------------- layer skip
+
+
+def test_early_exit_restores_the_model_even_on_error(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
+    with pytest.raises(RuntimeError), early_exit(model, 1):
+        assert model.config.num_hidden_layers == 1
+        raise RuntimeError
+    assert model.config.num_hidden_layers == 3
+
+
+def test_layerskip_rejects_bad_layer_counts(tiny_pair):
+    for spec in ["layerskip:0", "layerskip:3", "layerskip:x"]:
+        with pytest.raises(ValueError, match="layerskip"):
+            load(tiny_pair["target"], draft=spec)
+
+
+# ---------------------------------------------------------------- policies
+
+
+def test_adaptive_grows_and_shrinks():
+    from specdec.policy import RoundOutcome
+
+    p = AdaptivePolicy(4, k_min=1, k_max=8)
+    p.observe(RoundOutcome(4, 4, 0, 0, 4))
+    assert p.next_k() == 6
+    p.observe(RoundOutcome(6, 1, 0, 0, 6))
+    assert p.next_k() == 5
+
+
+def test_optimal_k_grows_with_acceptance_and_shrinks_with_cost():
+    assert max(range(1, 17), key=lambda k: expected_gain(0.9, k, 0.05, 1 + 0.06 * k)) > \
+        max(range(1, 17), key=lambda k: expected_gain(0.5, k, 0.05, 1 + 0.06 * k))
+    assert max(range(1, 17), key=lambda k: expected_gain(0.8, k, 0.3, 1.0)) < \
+        max(range(1, 17), key=lambda k: expected_gain(0.8, k, 0.02, 1.0))
+
+
+# ---------------------------------------------------------------- greedy equality on real models
+
+SPECS = ["ngram", "layerskip:1", "layerskip:2", "{close}+ngram", "{far}+{close}", "ngram+layerskip:2"]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_pair):
+    plain = load(tiny_pair["target"], draft="none")
+    prompts = PROMPTS + ["x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
+    return {p: plain.generate(p, max_new_tokens=32, temperature=0).token_ids for p in prompts}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("multi", ["tree", "best"])
+def test_every_drafter_is_greedy_exact(tiny_pair, plain_outputs, spec, multi):
+    if multi == "best" and "+" not in spec:
+        pytest.skip("best-drafter mode needs several drafters")
+    dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), draft_tokens=4, multi=multi)
+    for prompt, want in plain_outputs.items():
+        assert dec.generate(prompt, max_new_tokens=32, temperature=0).token_ids == want, prompt
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "confidence", "optimal"])
+def test_every_policy_is_greedy_exact(tiny_pair, plain_outputs, policy):
+    dec = load(tiny_pair["target"], draft=tiny_pair["close"], policy=policy, draft_tokens=3)
+    for prompt, want in plain_outputs.items():
+        assert dec.generate(prompt, max_new_tokens=32, temperature=0).token_ids == want, prompt
+
+
+def test_retrieval_is_greedy_exact(tiny_pair, plain_outputs, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    from tests.tiny import tiny_texts
+
+    ids = [t for text in tiny_texts(20) for t in tok(text)["input_ids"]]
+    Datastore.build(np.array(ids, dtype=np.uint16)).save(tmp_path / "idx.npz")
+    dec = load(tiny_pair["target"], draft="retrieval", retrieval_index=str(tmp_path / "idx.npz"), draft_tokens=4)
+    for prompt, want in plain_outputs.items():
+        assert dec.generate(prompt, max_new_tokens=32, temperature=0).token_ids == want, prompt
+    assert dec.generate(PROMPTS[0], max_new_tokens=32, temperature=0).stats.drafted > 0
+
+
+def test_layerskip_passes_check_on_a_real_model(tiny_pair):
+    dec = load(tiny_pair["target"], draft="layerskip:2", draft_tokens=3)
+    report = certify(dec, dec.plain(), "def ", tokens=2, samples=300, temperature=1.0)
+    assert report.result.passed, report.result
+    assert report.acceptance_rate > 0
+
+
+# ---------------------------------------------------------------- statistical losslessness on toy models
+
+V, LENGTH, N = 5, 3, 3000
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def toy_target():
+    return MarkovLM.random(V, order=2, seed=21, sharpness=1.5, name="target")
+
+
+def markov_corpus(lm, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    ctx = [1, 2]
+    params = SamplingParams(1.0)
+    from specdec.sampling import logits_to_probs
+
+    for _ in range(n):
+        ctx.append(int(sample(logits_to_probs(lm.logits_after(ctx), params), g)))
+    return np.array(ctx, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("which", ["ngram", "retrieval", "ngram+model", "retrieval+ngram"])
+def test_deterministic_drafters_are_lossless(which):
+    target = toy_target()
+    model = ModelDrafter(target.blend(MarkovLM.random(V, order=2, seed=22), 0.3, "model"))
+    store = Datastore.build(markov_corpus(target, 4000, 0))
+    parts = {"ngram": NgramDrafter(3), "retrieval": RetrievalDrafter(store, min_match=1), "model": model}
+    drafters = [parts[p] for p in which.split("+")]
+    decoder = SpeculativeDecoder(target, drafters, policy=Policy(3))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0, top_p=0.9)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("policy", [AdaptivePolicy(2), ConfidencePolicy(6, 0.6), OptimalPolicy(2)],
+                         ids=["adaptive", "confidence", "optimal"])
+def test_policies_with_a_deterministic_drafter_are_lossless(policy):
+    target = toy_target()
+    decoder = SpeculativeDecoder(target, NgramDrafter(3), policy=policy)
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.8)
+    assert result.passed, result

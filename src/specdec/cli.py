@@ -156,6 +156,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench.main import run_bench
+
+    args.command_line = "specdec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "specdec bench"
+    run_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,6 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--tokenizer", default=None, help="tokenizer to index with (default: the bundled target's)")
     ix.add_argument("--out", default=None, help="where to write it (default: the cache used by --draft retrieval)")
     ix.set_defaults(func=cmd_index)
+
+    b = sub.add_parser("bench", help="side-by-side speed report against plain decoding and Hugging Face")
+    b.add_argument("--quick", action="store_true", help="8 prompts, 64 tokens, the main configurations")
+    b.add_argument("--configs", nargs="*", default=None, help="only these configurations (plain always runs)")
+    b.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
+    b.add_argument("--modes", default="greedy,sampling", help="greedy, sampling or both")
+    b.add_argument("--max-new-tokens", type=int, default=None)
+    b.add_argument("--per-category", type=int, default=None, help="prompts per category")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("-k", type=int, default=4, help="K of the fixed-K configurations")
+    b.add_argument("--target", default=None)
+    b.add_argument("--drafter", default=None)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,2 @@
+"""`specdec bench`: side-by-side speed of speculative decoding against plain decoding,
+Hugging Face assisted generation and the theoretical limit (see shared BENCHMARKS.md)."""

@@ -1,0 +1,183 @@
+"""`specdec bench`: load, warm up, run interleaved, write JSON / markdown / plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.bench.prompts import CATEGORIES, build_suite
+from specdec.bench.report import by_category, markdown, plots, summarize_config
+from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
+
+K = 4  # the default draft length of the benchmark's fixed-K configurations
+
+
+def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
+    base = [Config("plain", "ours"), Config("plain (again)", "ours")]
+    peers = [Config("hf plain", "hf-plain"), Config("hf assisted", "hf-assisted", k=k)]
+    if greedy:
+        peers.append(Config("hf prompt-lookup", "hf-lookup", k=10))
+    if quick:
+        mine = [Config(f"drafter K={k}", "ours", "default", k=k)]
+        if greedy:
+            mine.append(Config("ngram", "ours", "ngram", k=8))
+        return base + mine + peers
+    mine = [Config(f"drafter K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
+    mine += [Config("drafter adaptive", "ours", "default", "adaptive", k=k),
+             Config("drafter confidence", "ours", "default", "confidence", k=8),
+             Config("drafter optimal", "ours", "default", "optimal", k=k),
+             Config("ngram", "ours", "ngram", k=8),
+             Config("retrieval", "ours", "retrieval", k=6),
+             Config("layerskip:3", "ours", "layerskip:3", k=3),
+             Config("drafter+ngram tree", "ours", "default+ngram", k=k),
+             Config("drafter+ngram best", "ours", "default+ngram", k=k, multi="best")]
+    return base + mine + peers
+
+
+def _draft_spec(spec: str, drafter_path: str) -> str:
+    return "+".join(drafter_path if p == "default" else p for p in spec.split("+"))
+
+
+def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None) -> Runner:
+    from specdec.api import load
+    from specdec.defaults import default_drafter, default_target
+
+    target = target or default_target()
+    drafter = drafter or default_drafter()
+    runner = Runner(settings)
+    plain = None
+    for cfg in configs:
+        if cfg.kind == "ours":
+            dec = load(target, draft=_draft_spec(cfg.draft, drafter), policy=cfg.policy, draft_tokens=cfg.k,
+                       multi=cfg.multi)
+            runner.decoders[cfg.name] = dec
+            plain = plain or dec
+    assert plain is not None, "the configurations need plain decoding as the baseline"
+    model = plain.target.model  # type: ignore[attr-defined]
+    eos = sorted(plain.eos_token_ids)
+    draft_model = None
+    for cfg in configs:
+        if cfg.kind == "hf-plain":
+            runner.hf[cfg.name] = hf_generate_fn(model, settings, eos)
+        elif cfg.kind == "hf-assisted":
+            if draft_model is None:
+                from transformers import AutoModelForCausalLM
+
+                draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).eval()
+                draft_model.generation_config.num_assistant_tokens = cfg.k
+            runner.hf[cfg.name] = hf_generate_fn(model, settings, eos, assistant_model=draft_model)
+        elif cfg.kind == "hf-lookup":
+            runner.hf[cfg.name] = hf_generate_fn(model, settings, eos, prompt_lookup_num_tokens=cfg.k)
+    return runner
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+
+
+def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[str, Any]:
+    from rich.progress import Progress
+
+    settings = {"temperature": 0.0 if greedy else 1.0, "top_k": None, "top_p": 1.0,
+                "max_new_tokens": args.max_new_tokens}
+    configs = configs_for(args.quick, greedy, args.k)
+    if args.configs:
+        wanted = set(args.configs)
+        configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
+    runner = load_runner(configs, settings, args.target, args.drafter)
+    plain = runner.decoders["plain"]
+    tok = plain.tokenizer
+    # keep the end of a prompt that would not leave room for the continuation
+    room = plain.target.max_length - args.max_new_tokens - 1
+    prompt_ids = [list(tok(p.text)["input_ids"])[-room:] for p in prompts]
+    # warm-up: every configuration once on the first prompt, not recorded
+    for cfg in configs:
+        runner.run(cfg, prompt_ids[0], seed=0)
+    main = next((c for c in configs if c.name.startswith("drafter K=")), configs[0])
+    drafter_lm = getattr(runner.decoders[main.name].drafters[0], "lm", None) if main.kind == "ours" else None
+    costs = measure_costs(plain.target, drafter_lm, prompt_ids[0], ks=[1, 2, 3, 4, 6, 8])  # type: ignore[arg-type]
+    tag = "greedy" if greedy else "sampling"
+    total = len(configs) * len(prompts) * args.repeats
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"bench ({tag})", total=total)
+        runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
+                           on_run=lambda r: bar.update(task, advance=1))
+    rows = [summarize_config(runs, cfg, "plain", greedy, costs) for cfg in configs]
+    cats = by_category(runs, configs, "plain", greedy, list(CATEGORIES))
+    out_dir = Path(args.out)
+    pics = plots(rows, cats, list(CATEGORIES), runs, main.name, out_dir, tag)
+    # one generation of the main configuration, as a timeline
+    if main.kind == "ours":
+        from specdec.viz import plot_timeline
+
+        gen = runner.decoders[main.name].generate(prompt_ids[0], seed=0, **settings)
+        pics.append(plot_timeline(gen.events, out_dir / f"timeline-{tag}.png", tokenizer=tok,
+                                  title=f"{main.name}, {tag}: one generation"))
+    return {"mode": tag, "settings": settings, "costs": costs, "rows": rows, "by_category": cats,
+            "plots": [str(p) for p in pics],
+            "runs": [{"config": r.config, "prompt": r.prompt, "category": r.category, "tokens": len(r.tokens),
+                      "wall_s": r.wall_s} for r in runs]}
+
+
+def run_bench(args: Any) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    torch.manual_seed(0)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = build_suite(per_category=args.per_category or (2 if args.quick else 6))
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
+    t0 = time.perf_counter()
+    modes = [m for m in args.modes.split(",") if m]
+    results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
+    report = {"command": args.command_line, "machine": machine_info(), "quick": args.quick,
+              "prompts": [{"category": p.category, "source": p.source} for p in prompts],
+              "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    md = [f"Command: `{args.command_line}`  \nMachine: {report['machine']['cpu']}, "
+          f"{report['machine']['threads']} threads, torch {report['machine']['torch']}, transformers "
+          f"{report['machine']['transformers']}; {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
+          f"{args.repeats} repeat(s).\n"]
+    for res in results:
+        c = res["costs"]
+        header = (f"### {res['mode']}\n\nc = t_draft/t_target = {c.get('c', float('nan')):.3f}; verification cost "
+                  f"t_target(K+1)/t_target(1) for K=4: {c['v_4']:.2f}; t_target(1) = {1e3 * c['t_target_1']:.1f} ms")
+        md.append(markdown(res["rows"], res["by_category"], list(CATEGORIES), header))
+        table = Table(title=f"specdec bench ({res['mode']})")
+        for key in ["config", "speedup", "min-max", "tok/s", "accept", "tok/round", "pred", "meas/pred", "other",
+                    "same"]:
+            table.add_column(key)
+        for r in res["rows"]:
+            table.add_row(r["config"], _f(r.get("speedup")), f"{_f(r.get('speedup_min'))}-{_f(r.get('speedup_max'))}",
+                          _f(r.get("tokens_per_s"), ".1f"), _f(r.get("acceptance_rate"), ".3f"),
+                          _f(r.get("tokens_per_round")), _f(r.get("predicted_speedup")),
+                          _f(r.get("measured_over_predicted")), _f(r.get("other_fraction"), ".1%"),
+                          _f(r.get("identical_to_plain")))
+        console.print(table)
+    (out_dir / "bench.md").write_text("\n".join(md))
+    console.print(f"wrote bench.json, bench.md and plots to {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return report
+
+
+def _f(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return format(x, spec)

@@ -1,0 +1,168 @@
+"""Runs -> the figures of the report (per configuration and per category), the markdown
+table and the plots."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from specdec.bench.runner import Config, Run, predicted_speedup
+
+
+def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tuple[list[float], bool]:
+    """Per (prompt, repeat) speedup of `name` over `baseline`, time per token; and whether
+    every greedy output was identical to the baseline's."""
+    base: dict[tuple[int, int], list[Run]] = defaultdict(list)
+    mine: dict[tuple[int, int], list[Run]] = defaultdict(list)
+    for r in runs:
+        if r.config == baseline:
+            base[(r.prompt, 0)].append(r)
+        if r.config == name:
+            mine[(r.prompt, 0)].append(r)
+    ratios, identical = [], True
+    for key, rs in mine.items():
+        for rep, r in enumerate(rs):
+            b = base[key][rep]
+            if greedy and r.tokens != b.tokens:
+                identical = False
+            if r.tokens and b.tokens:
+                ratios.append((b.wall_s / len(b.tokens)) / (r.wall_s / len(r.tokens)))
+    return ratios, identical
+
+
+def _v_for(costs: dict[str, float], k: float) -> float:
+    """Verification cost ratio for a (possibly fractional) draft length, interpolated."""
+    ks = sorted(int(key[2:]) for key in costs if key.startswith("v_"))
+    if not ks:
+        return 1.0
+    k = min(max(k, ks[0]), ks[-1])
+    lo = max(x for x in ks if x <= k)
+    hi = min(x for x in ks if x >= k)
+    if lo == hi:
+        return costs[f"v_{lo}"]
+    w = (k - lo) / (hi - lo)
+    return (1 - w) * costs[f"v_{lo}"] + w * costs[f"v_{hi}"]
+
+
+def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
+                     costs: dict[str, float]) -> dict[str, Any]:
+    mine = [r for r in runs if r.config == cfg.name]
+    ratios, identical = _pair_ratios(runs, cfg.name, baseline, greedy)
+    tokens = sum(len(r.tokens) for r in mine)
+    wall = sum(r.wall_s for r in mine)
+    row: dict[str, Any] = {"config": cfg.name, "kind": cfg.kind, "draft": cfg.draft, "policy": cfg.policy,
+                           "k": cfg.k, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+                           "identical_to_plain": identical if greedy else None}
+    ok = identical or not greedy
+    row["speedup"] = statistics.median(ratios) if ratios and ok else None
+    row["speedup_min"] = min(ratios) if ratios and ok else None
+    row["speedup_max"] = max(ratios) if ratios and ok else None
+    stats = [r.stats for r in mine if r.stats]
+    if not stats:
+        return row
+    rounds = sum(s["rounds"] for s in stats)
+    drafted = sum(s["drafted"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    per_request = [s["acceptance_rate"] for s in stats if s["drafted"]]
+    profiles = [s["acceptance_by_position"] for s in stats if s["acceptance_by_position"]]
+    depth = max((len(p) for p in profiles), default=0)
+    row.update(
+        acceptance_rate=accepted / drafted if drafted else None,
+        acceptance_rate_per_request=statistics.mean(per_request) if per_request else None,
+        tokens_per_round=(accepted + rounds) / rounds,
+        target_calls=sum(s["target_calls"] for s in stats) / len(stats),
+        draft_calls=sum(s["draft_calls"] for s in stats) / len(stats),
+        other_fraction=sum(s["other_s"] for s in stats) / sum(s["wall_s"] for s in stats),
+        acceptance_by_position=[statistics.mean(p[i] for p in profiles if len(p) > i) for i in range(depth)],
+    )
+    if drafted and "t_target_1" in costs:
+        a = min(accepted / drafted, 0.999)
+        per_round = drafted / rounds
+        draft_s = sum(s["draft_s"] for s in stats) / rounds
+        row["c_round"] = draft_s / costs["t_target_1"]
+        row["verify_cost"] = _v_for(costs, per_round)
+        row["predicted_speedup"] = predicted_speedup(a, per_round, draft_s, costs["t_target_1"], row["verify_cost"])
+        if row["speedup"]:
+            row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
+    return row
+
+
+def by_category(runs: list[Run], configs: list[Config], baseline: str, greedy: bool,
+                categories: list[str]) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for cfg in configs:
+        out[cfg.name] = {}
+        for cat in categories:
+            sub = [r for r in runs if r.category == cat]
+            ratios, identical = _pair_ratios(sub, cfg.name, baseline, greedy)
+            out[cfg.name][cat] = statistics.median(ratios) if ratios and (identical or not greedy) else None
+    return out
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return format(x, spec) if isinstance(x, float) else str(x)
+
+
+COLUMNS = [("config", "config", "s"), ("speedup", "speedup (median)", ".2f"), ("spread", "min-max", "s"),
+           ("tokens_per_s", "tok/s", ".1f"), ("acceptance_rate", "accept", ".3f"),
+           ("acceptance_rate_per_request", "accept/req", ".3f"), ("tokens_per_round", "tok/round", ".2f"),
+           ("target_calls", "target calls", ".1f"), ("draft_calls", "draft calls", ".1f"),
+           ("predicted_speedup", "predicted", ".2f"), ("measured_over_predicted", "meas/pred", ".2f"),
+           ("other_fraction", "other time", ".1%"), ("identical_to_plain", "same tokens", "s")]
+
+
+def markdown(rows: list[dict[str, Any]], cats: dict[str, dict[str, float | None]], categories: list[str],
+             header: str) -> str:
+    lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        r = dict(r, spread=f"{_fmt(r.get('speedup_min'))}-{_fmt(r.get('speedup_max'))}")
+        lines.append("| " + " | ".join(_fmt(r.get(key), spec) for key, _, spec in COLUMNS) + " |")
+    lines += ["", "Speedup over plain decoding by prompt category (median):", "",
+              "| config | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 1)]
+    for name, per in cats.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(per[c]) for c in categories) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict[str, Any]], cats: dict[str, dict[str, float | None]], categories: list[str],
+          runs: list[Run], main_config: str, out_dir: Path, tag: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    names = [n for n in cats if any(v is not None for v in cats[n].values())]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        vals = [cats[name][c] or 0.0 for c in categories]
+        ax.bar([i + j * width for i in range(len(categories))], vals, width, label=name)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"speedup by prompt category ({tag})")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    paths.append(out_dir / f"speedup-{tag}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    hist = [a for r in runs if r.config == main_config for a in r.stats.get("accepted_per_round", [])]
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.hist(hist, bins=range(0, max(hist) + 2), align="left", rwidth=0.85, color="#52be80")
+        ax.set_xlabel("accepted tokens per round")
+        ax.set_ylabel("rounds")
+        ax.set_title(f"{main_config} ({tag})")
+        fig.tight_layout()
+        paths.append(out_dir / f"accepted-hist-{tag}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

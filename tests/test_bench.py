@@ -1,0 +1,37 @@
+"""`specdec bench --quick` end to end on the tiny pair: the report's structure and its
+safety rules (greedy identity before any ratio), not its timings."""
+
+import json
+
+from specdec.bench.prompts import CATEGORIES, build_suite
+from specdec.cli import main
+
+
+def test_prompt_suite_is_deterministic_and_labelled():
+    a, b = build_suite(2), build_suite(2)
+    assert a == b
+    assert {p.category for p in a} == set(CATEGORIES)
+    held = {p.source.split(":")[0] for p in a}
+    split = __import__("specdec.train.corpus", fromlist=["list_files"]).list_files(4, "specdec-split-v1")
+    heldout = {f.relpath for f in split if f.heldout}
+    assert held <= heldout
+
+
+def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
+    out = tmp_path / "b"
+    assert main(["bench", "--quick", "--target", tiny_pair["target"], "--drafter", tiny_pair["close"],
+                 "--out", str(out), "--per-category", "1", "--max-new-tokens", "12"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert {"machine", "results", "prompts", "command"} <= set(report)
+    greedy = report["results"][0]
+    rows = {r["config"]: r for r in greedy["rows"]}
+    assert {"plain", "plain (again)", "drafter K=4", "ngram", "hf plain", "hf assisted", "hf prompt-lookup"} <= set(rows)
+    for name, r in rows.items():
+        assert r["identical_to_plain"], name  # greedy outputs identical, so every ratio is reported
+        assert r["speedup"] and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+    d = rows["drafter K=4"]
+    assert 0 <= d["acceptance_rate"] <= 1 and d["predicted_speedup"] > 0 and d["acceptance_by_position"]
+    assert greedy["costs"]["c"] > 0 and greedy["costs"]["v_4"] > 0
+    assert (out / "bench.md").read_text().count("|") > 20
+    assert (out / "timeline-greedy.png").exists() and (out / "speedup-greedy.png").exists()
+    assert report["results"][1]["mode"] == "sampling"

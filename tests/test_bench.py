@@ -25,7 +25,8 @@ def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
     assert {"machine", "results", "prompts", "command"} <= set(report)
     greedy = report["results"][0]
     rows = {r["config"]: r for r in greedy["rows"]}
-    assert {"plain", "plain (again)", "drafter K=4", "ngram", "hf plain", "hf assisted", "hf prompt-lookup"} <= set(rows)
+    assert {"plain", "plain (again)", "drafter K=4", "ngram", "hf plain", "hf assisted K=4",
+            "hf prompt-lookup"} <= set(rows)
     for name, r in rows.items():
         assert r["identical_to_plain"], name  # greedy outputs identical, so every ratio is reported
         assert r["speedup"] and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]

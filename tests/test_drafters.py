@@ -188,3 +188,14 @@ def test_policies_with_a_deterministic_drafter_are_lossless(policy):
     decoder = SpeculativeDecoder(target, NgramDrafter(3), policy=policy)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.8)
     assert result.passed, result
+
+
+def test_layerskip_auto_picks_a_measured_layer_count(tiny_pair):
+    from specdec.drafters.layerskip import choose_layers
+
+    dec = load(tiny_pair["target"], draft="layerskip")
+    layers = dec.drafters[0].layers
+    best, table = choose_layers(dec.target, list(range(1, 120)))
+    assert 1 <= layers < 3 and [row["layers"] for row in table] == [1, 2]
+    assert all(0 <= row["agreement"] <= 1 for row in table)
+    assert best == max(table, key=lambda r: r["expected_gain"])["layers"]

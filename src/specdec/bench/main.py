@@ -19,7 +19,7 @@ K = 4  # the default draft length of the benchmark's fixed-K configurations
 
 def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     base = [Config("plain", "ours"), Config("plain (again)", "ours")]
-    peers = [Config("hf plain", "hf-plain"), Config("hf assisted", "hf-assisted", k=k)]
+    peers = [Config("hf plain", "hf-plain"), Config(f"hf assisted K={k}", "hf-assisted", k=k)]
     if greedy:
         peers.append(Config("hf prompt-lookup", "hf-lookup", k=10))
     if quick:
@@ -27,6 +27,7 @@ def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
         if greedy:
             mine.append(Config("ngram", "ours", "ngram", k=8))
         return base + mine + peers
+    peers.insert(2, Config("hf assisted (defaults)", "hf-assisted", k=0))
     mine = [Config(f"drafter K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
     mine += [Config("drafter adaptive", "ours", "default", "adaptive", k=k),
              Config("drafter confidence", "ours", "default", "confidence", k=8),
@@ -60,16 +61,18 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
     assert plain is not None, "the configurations need plain decoding as the baseline"
     model = plain.target.model  # type: ignore[attr-defined]
     eos = sorted(plain.eos_token_ids)
-    draft_model = None
     for cfg in configs:
         if cfg.kind == "hf-plain":
             runner.hf[cfg.name] = hf_generate_fn(model, settings, eos)
         elif cfg.kind == "hf-assisted":
-            if draft_model is None:
-                from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM
 
-                draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).eval()
+            # its own copy: transformers keeps schedule state on the assistant's generation config
+            draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).eval()
+            if cfg.k:  # K fixed as ours; k=0 keeps transformers' defaults (20, confidence threshold 0.4)
                 draft_model.generation_config.num_assistant_tokens = cfg.k
+                draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+                draft_model.generation_config.assistant_confidence_threshold = 0.0
             runner.hf[cfg.name] = hf_generate_fn(model, settings, eos, assistant_model=draft_model)
         elif cfg.kind == "hf-lookup":
             runner.hf[cfg.name] = hf_generate_fn(model, settings, eos, prompt_lookup_num_tokens=cfg.k)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.layerskip import LayerSkipDrafter, choose_layers
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
@@ -19,10 +19,13 @@ __all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "RetrievalDrafter
            "build_drafters"]
 
 
-def _layers(part: str, target: HFCausalLM) -> int:
-    """layerskip:L, or plain `layerskip` for half of the target's layers."""
-    if ":" not in part:
-        return max(1, target.model.config.num_hidden_layers // 2)
+def _layers(part: str, target: HFCausalLM, tokenizer: Any) -> int:
+    """layerskip:L, or plain `layerskip` (= layerskip:auto) for the L that measurement favours."""
+    if part in ("layerskip", "layerskip:auto"):
+        from specdec.bench.prompts import build_suite
+
+        calibration = "\n".join(p.text for p in build_suite(1))
+        return choose_layers(target, list(tokenizer(calibration)["input_ids"]))[0]
     try:
         return int(part.split(":", 1)[1])
     except ValueError:
@@ -69,7 +72,7 @@ def build_drafters(spec: str, target: HFCausalLM, tokenizer: Any, dtype: torch.d
         elif part == "retrieval":
             drafters.append(RetrievalDrafter(_datastore(tokenizer, retrieval_index)))
         elif part.startswith("layerskip"):
-            drafters.append(LayerSkipDrafter(target, _layers(part, target)))
+            drafters.append(LayerSkipDrafter(target, _layers(part, target, tokenizer)))
         else:
             drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code))
     names = [d.name for d in drafters]

@@ -91,3 +91,29 @@ class LayerSkipDrafter:
 
     def reset(self) -> None:
         pass
+
+
+@torch.inference_mode()
+def choose_layers(target: HFCausalLM, calibration_ids: list[int], k: int = 4,
+                  verify_slope: float = 0.06) -> tuple[int, list[dict[str, float]]]:
+    """Pick L by measurement: one full forward over calibration text gives every layer's
+    hidden states; the target's own norm and head turn each into early-exit predictions,
+    whose greedy agreement a_L with the full model, at a cost c_L ~ L / layers of a
+    target step, gives the expected gain of drafting K tokens. Returns (best L, table)."""
+    from specdec.policy import expected_gain
+
+    model = target.model
+    n_layers = model.config.num_hidden_layers
+    ids = torch.tensor([calibration_ids[: min(len(calibration_ids), target.max_length)]])
+    out = model(input_ids=ids, output_hidden_states=True)
+    final = out.logits[0, :, : target.vocab_size].argmax(-1)
+    table = []
+    for layer in range(1, n_layers):
+        hidden = model.model.norm(out.hidden_states[layer][0])
+        early = model.lm_head(hidden)[:, : target.vocab_size].argmax(-1)
+        a = float((early == final).float().mean())
+        c = (layer + 0.5) / (n_layers + 0.5)  # the head costs about half a layer here
+        table.append({"layers": layer, "agreement": a, "c": c,
+                      "expected_gain": expected_gain(a, k, c, 1 + verify_slope * k)})
+    best = max(table, key=lambda row: row["expected_gain"])
+    return int(best["layers"]), table

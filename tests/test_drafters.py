@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from specdec import load
 from specdec.check import certify
-from specdec.drafters.layerskip import early_exit
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter, lookup
 from specdec.drafters.retrieval import WIDTH, Datastore, RetrievalDrafter
@@ -62,14 +61,44 @@ def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
 # ---------------------------------------------------------------- layer skip
 
 
-def test_early_exit_restores_the_model_even_on_error(tiny_pair):
+def test_early_exit_restores_the_model_even_on_error(tiny_pair, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    from specdec.lm import HFCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
-    with pytest.raises(RuntimeError), early_exit(model, 1):
-        assert model.config.num_hidden_layers == 1
-        raise RuntimeError
-    assert model.config.num_hidden_layers == 3
+    lm = HFCausalLM(model, "t")
+    seen = []
+
+    def boom(*args, **kwargs):
+        seen.append(model.config.num_hidden_layers)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "forward", boom)
+    with pytest.raises(RuntimeError):
+        lm.early_exit([1, 2, 3], 1)
+    assert seen == [1] and model.config.num_hidden_layers == 3
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_early_exit_equals_a_truncated_model(tiny_pair, backend):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.api import wrap
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
+    lm = wrap(model, "t", model.config.vocab_size, backend)
+    lm.forward([5, 6, 7], 1)
+    got = lm.early_exit([8, 9], 2)
+    lm.end_early_exit(3)
+    assert lm.tokens == [5, 6, 7]
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), output_hidden_states=True).hidden_states[2]
+        want = model.lm_head(model.model.norm(hidden))[0, -1]
+    assert torch.allclose(got, want, atol=1e-4)
+    # the full pass after drafting sees only the committed tokens
+    fresh = wrap(model, "r", model.config.vocab_size, backend).forward([5, 6, 7, 10], 1)
+    assert torch.allclose(lm.forward([10], 1), fresh, atol=1e-4)
 
 
 def test_layerskip_rejects_bad_layer_counts(tiny_pair):

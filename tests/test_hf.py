@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import load
+from specdec.api import wrap
 from specdec.errors import ContextLengthError, ModelLoadError, VocabularyMismatchError
 from specdec.lm import HFCausalLM
 
@@ -14,13 +15,14 @@ PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n    def __in
 
 @pytest.fixture(scope="module")
 def plain(tiny_pair):
-    return load(tiny_pair["target"], draft="none")
+    return load(tiny_pair["target"], draft="none", backend="hf")
 
 
 @pytest.mark.parametrize("drafter", ["close", "far"])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_equals_plain_decoding(tiny_pair, plain, drafter, k):
-    spec = load(tiny_pair["target"], draft=tiny_pair[drafter], draft_tokens=k)
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_greedy_equals_plain_decoding(tiny_pair, plain, drafter, k, backend):
+    spec = load(tiny_pair["target"], draft=tiny_pair[drafter], draft_tokens=k, backend=backend)
     for prompt in PROMPTS:
         want = plain.generate(prompt, max_new_tokens=40, temperature=0)
         got = spec.generate(prompt, max_new_tokens=40, temperature=0)
@@ -30,7 +32,9 @@ def test_greedy_equals_plain_decoding(tiny_pair, plain, drafter, k):
         assert got.stats.target_calls == got.stats.rounds
 
 
-def test_plain_greedy_equals_transformers_generate(tiny_pair, plain):
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_plain_greedy_equals_transformers_generate(tiny_pair, backend):
+    plain = load(tiny_pair["target"], draft="none", backend=backend)
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     tok = AutoTokenizer.from_pretrained(tiny_pair["target"])
     for prompt in PROMPTS[:5]:
@@ -49,24 +53,28 @@ def test_close_drafter_accepts_more_than_far(tiny_pair):
     assert rates["close"] > rates["far"]
 
 
-def test_cache_truncate_then_reextend_matches_fresh_forward(tiny_pair):
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_cache_truncate_then_reextend_matches_fresh_forward(tiny_pair, backend):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     ids = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    fresh = HFCausalLM(model, "t").forward(ids, len(ids))  # (30, V)
-    lm = HFCausalLM(model, "t")
+    fresh = HFCausalLM(model, "t").forward(ids, len(ids))  # (30, V), transformers' own forward
+    lm = wrap(model, "t", model.config.vocab_size, backend)
     lm.forward(ids[:12], 1)
     lm.forward([7, 8, 9, 10, 11], 5)  # a draft that will be rejected
     lm.truncate(12)
-    assert lm.tokens == ids[:12] and lm.cache.get_seq_length() == 12
+    assert lm.tokens == ids[:12]
+    if backend == "hf":
+        assert lm.cache.get_seq_length() == 12
     again = lm.forward(ids[12:], len(ids) - 12)
     assert torch.allclose(again, fresh[12:], atol=1e-4)
 
 
-def test_tree_forward_matches_chain_forward_and_keeps_the_path(tiny_pair):
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_tree_forward_matches_chain_forward_and_keeps_the_path(tiny_pair, backend):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     ctx = [5, 6, 7, 8, 9, 10]
     tokens, parents = [11, 12, 13, 14, 15], [-1, 0, -1, 2, 3]  # two branches: 11-12 and 13-14-15
-    lm = HFCausalLM(model, "t")
+    lm = wrap(model, "t", model.config.vocab_size, backend)
     lm.forward(ctx[:4], 1)
     tree_logits = lm.forward_tree(ctx[4:], tokens, parents)
     for path in ([0, 1], [2, 3, 4]):

@@ -28,14 +28,28 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto") -> Any:
+    """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's."""
+    from specdec.fastllama import FastLlamaLM, supports
+
+    if backend not in ("auto", "hf", "fast"):
+        raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
+    if backend == "fast" or (backend == "auto" and supports(model)):
+        return FastLlamaLM(model, name, vocab_size)
+    return HFCausalLM(model, name, vocab_size)
+
+
 def load(target: str | None = None, draft: str | None = "default", policy: str = "fixed", draft_tokens: int = 5,
          multi: str = "tree", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-         retrieval_index: str | None = None) -> SpeculativeDecoder:
+         retrieval_index: str | None = None, backend: str = "auto") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
 
     draft: "default" (the bundled drafter when the target is the bundled one), "none"
     (plain decoding), a model id or path, "ngram", "retrieval", "layerskip:L", or several
     joined with "+" (e.g. "models/drafter+ngram") for several prophets at once.
+    backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,
+    same logits, less Python per step) and anything else through transformers; "hf" forces
+    transformers' own forward and DynamicCache.
     """
     from specdec.drafters import build_drafters
 
@@ -44,8 +58,8 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
         draft = default_drafter() if target is None else "none"
     model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target")
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
-    target_lm = HFCausalLM(model, target_name, vocab)
+    target_lm = wrap(model, target_name, vocab, backend)
     drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=dtype,
-                              trust_remote_code=trust_remote_code, retrieval_index=retrieval_index)
+                              trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
     return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens), multi,
                               _eos_ids(model, tokenizer))

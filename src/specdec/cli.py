@@ -22,6 +22,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="several drafters: verify a token tree of all drafts, or use the best recent drafter")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
+    p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
+                   help="auto: specdec's lean path for plain Llama models, else transformers; hf: always transformers")
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -36,7 +38,8 @@ def _load(args: argparse.Namespace) -> Any:
     from specdec.api import load
 
     return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
-                multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index)
+                multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
+                backend=args.backend)
 
 
 def _stats_table(stats: Any, title: str) -> Any:

@@ -83,6 +83,7 @@ class HFCausalLM:
     def reset(self) -> None:
         self.cache = self._cache_cls(config=self.model.config)
         self.tokens: list[int] = []
+        self._early = False
         self.forward_calls = 0
 
     @torch.inference_mode()
@@ -139,6 +140,34 @@ class HFCausalLM:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
         self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+
+    @torch.inference_mode()
+    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
+        """Self-speculation: new_ids through the first `layers` layers and the model's own
+        head; logits (V,) of the last. Entries go to the first L cache layers only, past
+        the committed tokens, until `end_early_exit` cuts them off. The layer count is
+        lowered through the config inside try/finally, so the model is whole again after."""
+        config = self.model.config
+        start = self.cache.get_seq_length()  # layer 0 holds committed + earlier draft entries
+        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
+        full = config.num_hidden_layers
+        config.num_hidden_layers = layers
+        try:
+            out = self.model(input_ids=torch.tensor([list(new_ids)], device=self.device), position_ids=positions,
+                             cache=self.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            config.num_hidden_layers = full
+        self._early = True
+        self.forward_calls += 1
+        return out.logits[0, -1, : self.vocab_size].float()
+
+    def end_early_exit(self, committed: int) -> None:
+        layers: list[Any] = list(self.cache.layers)
+        for layer in layers:
+            extra = layer.get_seq_length() - committed
+            if extra > 0:
+                layer.crop(-extra)
+        self._early = False
 
     def truncate(self, n: int) -> None:
         drop = len(self.tokens) - n

@@ -13,13 +13,13 @@ from specdec.drafters.layerskip import LayerSkipDrafter, choose_layers
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
-from specdec.lm import HFCausalLM, load_pretrained, shared_vocab_size
+from specdec.lm import load_pretrained, shared_vocab_size
 
 __all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "RetrievalDrafter", "LayerSkipDrafter",
            "build_drafters"]
 
 
-def _layers(part: str, target: HFCausalLM, tokenizer: Any) -> int:
+def _layers(part: str, target: Any, tokenizer: Any) -> int:
     """layerskip:L, or plain `layerskip` (= layerskip:auto) for the L that measurement favours."""
     if part in ("layerskip", "layerskip:auto"):
         from specdec.bench.prompts import build_suite
@@ -44,14 +44,16 @@ def _datastore(tokenizer: Any, path: str | None) -> Datastore:
     return build_default_datastore(tokenizer, default)
 
 
-def _model_drafter(name: str, target: HFCausalLM, tokenizer: Any, dtype: torch.dtype,
-                   trust_remote_code: bool) -> ModelDrafter:
+def _model_drafter(name: str, target: Any, tokenizer: Any, dtype: torch.dtype,
+                   trust_remote_code: bool, backend: str) -> ModelDrafter:
+    from specdec.api import wrap
+
     model, draft_tok = load_pretrained(name, dtype, trust_remote_code, role="drafter")
     vocab = shared_vocab_size(target.model, tokenizer, model, draft_tok, target.name, name)
     if vocab != target.vocab_size:
         raise ValueError(f"drafter '{name}' and target '{target.name}' share {vocab} ids, "
                          f"the target scores {target.vocab_size}")
-    return ModelDrafter(HFCausalLM(model, name, vocab), name=_short(name))
+    return ModelDrafter(wrap(model, name, vocab, backend), name=_short(name))
 
 
 def _short(name: str) -> str:
@@ -59,8 +61,9 @@ def _short(name: str) -> str:
     return parts[-1] if parts else name
 
 
-def build_drafters(spec: str, target: HFCausalLM, tokenizer: Any, dtype: torch.dtype = torch.float32,
-                   trust_remote_code: bool = False, retrieval_index: str | None = None) -> list[Drafter]:
+def build_drafters(spec: str, target: Any, tokenizer: Any, dtype: torch.dtype = torch.float32,
+                   trust_remote_code: bool = False, retrieval_index: str | None = None,
+                   backend: str = "auto") -> list[Drafter]:
     if spec in ("", "none"):
         return []
     drafters: list[Drafter] = []
@@ -74,7 +77,7 @@ def build_drafters(spec: str, target: HFCausalLM, tokenizer: Any, dtype: torch.d
         elif part.startswith("layerskip"):
             drafters.append(LayerSkipDrafter(target, _layers(part, target, tokenizer)))
         else:
-            drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code))
+            drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code, backend))
     names = [d.name for d in drafters]
     if len(set(names)) != len(names):
         raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")

@@ -1,0 +1,185 @@
+"""A lean decode path for Llama-family models, used for small drafters.
+
+A 2-layer drafter spends most of a Hugging Face forward call in Python (module calls,
+mask construction, cache bookkeeping), not in arithmetic, and that overhead is the
+draft cost c that speculative decoding pays K times a round. This path runs the same
+weights (read from the loaded Hugging Face model, nothing converted on disk) with fused
+QKV and gate/up projections and a preallocated KV buffer written by position, so a
+rollback is only a length change (as in gpt-fast). Its logits match the Hugging Face
+model's to float tolerance (tested); exactness of speculative decoding never depends on
+it, since the verifier uses whatever q the drafter actually sampled from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def supports(model: Any) -> bool:
+    """Plain Llama architecture: default RoPE, no biases, SiLU MLP."""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return (cfg.model_type == "llama" and rope.get("rope_type", "default") == "default"
+            and not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
+            and cfg.hidden_act == "silu")
+
+
+class FastLlamaLM:
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
+        if not supports(model):
+            raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
+        cfg = model.config
+        self.model = model
+        self.name = name
+        self.vocab_size = vocab_size or cfg.vocab_size
+        self.max_length = int(cfg.max_position_embeddings)
+        self.eps = cfg.rms_norm_eps
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inner = model.model
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight
+            self.layers = [self._layer_weights(layer) for layer in inner.layers]
+            self.final_norm = inner.norm.weight
+            self.head = model.lm_head.weight[: self.vocab_size]
+            positions = torch.arange(self.max_length, dtype=torch.float)
+            freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
+            dtype = self.embed.dtype
+            self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+        shape = (len(self.layers), self.n_kv, self.max_length, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.embed.dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.embed.dtype)
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+
+    @staticmethod
+    def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
+        att, mlp = layer.self_attn, layer.mlp
+        return {
+            "in_norm": layer.input_layernorm.weight,
+            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
+            "o": att.o_proj.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+            "down": mlp.down_proj.weight,
+        }
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as Llama computes it (in float32). x (n, D)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (H, n, hd), cos/sin (n, hd)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, i: int, h: torch.Tensor, start: int, positions: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) or None = causal."""
+        n, hd = h.shape[0], self.head_dim
+        w = self.layers[i]
+        qkv = h @ w["qkv"].T  # (n, (Hq + 2 Hkv) hd)
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = self._rope(q.view(n, self.n_heads, hd).transpose(0, 1), cos, sin)  # (Hq, n, hd)
+        k = self._rope(k.view(n, self.n_kv, hd).transpose(0, 1), cos, sin)  # (Hkv, n, hd)
+        end = start + n
+        # Written by position: entries past the committed length are stale and simply overwritten later.
+        self.k_cache[i, :, start:end] = k
+        self.v_cache[i, :, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[None], self.k_cache[i, :, :end][None], self.v_cache[i, :, :end][None],
+                                             attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return out[0].transpose(0, 1).reshape(n, self.n_heads * hd) @ w["o"].T
+
+    def _run(self, ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int,
+             layers: int | None = None) -> torch.Tensor:
+        """ids (n,) into cache slots len(tokens).., through the first `layers` layers (all by
+        default), then the final norm and head. Returns logits (n_logits, V)."""
+        start, n = len(self.tokens), len(ids)
+        if start + n > self.max_length:
+            raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
+        x = self.embed[torch.tensor(list(ids))]  # (n, D)
+        for i, w in enumerate(self.layers[:layers]):
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask)
+            gate, up = (self._norm(x, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w["down"].T
+        self.forward_calls += 1
+        return (self._norm(x[-n_logits:], self.final_norm) @ self.head.T).float()
+
+    @staticmethod
+    def _causal(n: int, start: int) -> torch.Tensor | None:
+        """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""
+        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+
+    @torch.inference_mode()
+    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
+        """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
+        start, n = len(self.tokens), len(new_ids)
+        logits = self._run(new_ids, torch.arange(start, start + n), self._causal(n, start), n_logits)
+        self.tokens.extend(new_ids)
+        return logits
+
+    @torch.inference_mode()
+    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
+        """Self-speculation: new_ids through the first `layers` layers and the model's own head,
+        logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
+        tokens, where the next full pass overwrites them: nothing to roll back."""
+        start, n = len(self.tokens), len(new_ids)
+        logits = self._run(new_ids, torch.arange(start, start + n), self._causal(n, start), 1, layers)
+        self.tokens.extend(new_ids)  # provisional: end_early_exit truncates back before verification
+        return logits[0]
+
+    def end_early_exit(self, committed: int) -> None:
+        self.truncate(committed)
+
+    @torch.inference_mode()
+    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
+                     tree_parents: Sequence[int]) -> torch.Tensor:
+        """new_ids (a chain) then a token tree in one pass; logits (1 + N, V) after the chain's
+        last token and after each node. Nodes sit at position (chain end + depth) and see
+        only their ancestors."""
+        start, n_new, n_tree = len(self.tokens), len(new_ids), len(tree_tokens)
+        depth: list[int] = []
+        for par in tree_parents:
+            depth.append(1 if par < 0 else depth[par] + 1)
+        positions = torch.tensor(list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth])
+        total = start + n_new + n_tree
+        allowed = torch.zeros(n_new + n_tree, total, dtype=torch.bool)
+        allowed[:, : start + n_new] = True
+        allowed[:n_new, start : start + n_new] = torch.ones(n_new, n_new, dtype=torch.bool).tril()
+        for i in range(n_tree):
+            node = i
+            while node >= 0:
+                allowed[n_new + i, start + n_new + node] = True
+                node = tree_parents[node]
+        ids = list(new_ids) + list(tree_tokens)
+        logits = self._run(ids, positions, allowed, n_tree + 1)
+        self.tokens.extend(ids)
+        return logits
+
+    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
+        """Move the accepted path's cache entries next to the committed ones, drop the rest.
+        Their keys already carry the right rotary positions (chain end + depth)."""
+        base = len(self.tokens) - len(tree_tokens)
+        src = torch.tensor([base + node for node in path], dtype=torch.long)
+        dst = slice(base, base + len(path))
+        self.k_cache[:, :, dst] = self.k_cache[:, :, src]
+        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+    def fresh(self) -> FastLlamaLM:
+        return FastLlamaLM(self.model, self.name, self.vocab_size)

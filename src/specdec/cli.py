@@ -159,6 +159,16 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdec.server import create_app
+
+    decoder = _load(args)
+    uvicorn.run(create_app(decoder, args.model_name), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specdec.bench.main import run_bench
 
@@ -216,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--tokenizer", default=None, help="tokenizer to index with (default: the bundled target's)")
     ix.add_argument("--out", default=None, help="where to write it (default: the cache used by --draft retrieval)")
     ix.set_defaults(func=cmd_index)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible completions server with streaming")
+    _model_args(sv)
+    sv.add_argument("--draft-tokens", "-k", type=int, default=5)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--model-name", default="specdec")
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="side-by-side speed report against plain decoding and Hugging Face")
     b.add_argument("--quick", action="store_true", help="8 prompts, 64 tokens, the main configurations")

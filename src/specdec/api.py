@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,8 +55,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     from specdec.drafters import build_drafters
 
     target_name = target or default_target()
-    if draft == "default":
-        draft = default_drafter() if target is None else "none"
+    if draft == "default":  # the bundled drafter only fits the bundled target's vocabulary
+        bundled = Path(target_name).resolve() == Path(default_target()).resolve()
+        draft = default_drafter() if bundled else "none"
     model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target")
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend)

@@ -1,0 +1,56 @@
+"""Engine behaviour on toy models: errors, stops, accounting."""
+
+import math
+
+import pytest
+import torch
+
+from specdec.drafters.model import ModelDrafter
+from specdec.engine import SpeculativeDecoder
+from specdec.policy import Policy
+from specdec.sampling import InvalidLogitsError
+from specdec.toy import MarkovLM
+
+
+def test_nan_logits_from_the_target_are_a_clear_error():
+    table = torch.zeros(4, 4)
+    table[2, 1] = math.nan
+    dec = SpeculativeDecoder(MarkovLM(table, "broken"), None)
+    with pytest.raises(InvalidLogitsError, match="target 'broken' produced NaN"):
+        dec.generate([2], max_new_tokens=3)
+
+
+def test_nan_logits_from_the_drafter_are_a_clear_error():
+    target = MarkovLM.random(4, seed=0)
+    bad = torch.full((4, 4), math.nan)
+    dec = SpeculativeDecoder(target, ModelDrafter(MarkovLM(bad, "bad-draft")), policy=Policy(2))
+    with pytest.raises(InvalidLogitsError, match="drafter 'bad-draft' produced NaN"):
+        dec.generate([1], max_new_tokens=3)
+
+
+def test_accounting_adds_up():
+    target = MarkovLM.random(6, order=2, seed=3)
+    draft = target.blend(MarkovLM.random(6, order=2, seed=4), 0.4, "d")
+    dec = SpeculativeDecoder(target, ModelDrafter(draft), policy=Policy(4))
+    out = dec.generate([1, 2], max_new_tokens=200, temperature=1.0, seed=0)
+    s = out.stats
+    assert s.new_tokens == len(out.token_ids) == 200
+    assert s.rounds == s.target_calls == s.recovered + s.bonus
+    assert s.accepted <= s.drafted
+    # every round commits its accepted tokens plus one, except where max_new_tokens cut the last
+    assert sum(len(e.committed) for e in out.events) == 200
+    assert all(len(e.committed) == e.accepted + 1 for e in out.events[:-1])
+    assert s.tokens_per_round == pytest.approx((s.accepted + s.rounds) / s.rounds)
+    # the draft cache always ends a round holding a prefix of the committed tokens
+    assert draft.tokens == ([1, 2] + out.token_ids)[: len(draft.tokens)]
+    assert target.tokens == ([1, 2] + out.token_ids)[:-1]
+
+
+def test_token_id_prompts_are_validated():
+    dec = SpeculativeDecoder(MarkovLM.random(4), None)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        dec.generate([7], max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], max_new_tokens=2)
+    with pytest.raises(ValueError, match="tokenizer"):
+        dec.generate("text", max_new_tokens=2)

@@ -1,5 +1,10 @@
 import pytest
 import torch
+from hypothesis import settings
+
+# Reproducible property tests: the same examples on every run, no example database.
+settings.register_profile("specdec", derandomize=True, database=None)
+settings.load_profile("specdec")
 
 # Tiny models gain nothing from intra-op threads, and threads that spin-wait on a busy
 # 2-core machine make every small op ~20x slower.

@@ -34,7 +34,7 @@ def test_top_k_top_p_masks_are_respected(k, top_p, seed):
     # the kept set is the smallest prefix (after top-k) reaching top_p
     full = torch.softmax(logits.masked_fill(logits < torch.topk(logits, k).values[-1], -math.inf), -1)
     ordered = torch.sort(full, descending=True).values
-    n_needed = int((torch.cumsum(ordered, 0) - ordered < top_p).sum())
+    n_needed = int(((torch.cumsum(ordered, 0) - ordered < top_p) & (ordered > 0)).sum())
     assert int(kept.sum()) == n_needed
 
 

@@ -12,6 +12,7 @@ import torch
 
 from specdec.bench.prompts import CATEGORIES, build_suite
 from specdec.bench.report import by_category, markdown, plots, summarize_config
+from specdec.bench.report import fmt as _f
 from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations
@@ -176,11 +177,3 @@ def run_bench(args: Any) -> dict[str, Any]:
     (out_dir / "bench.md").write_text("\n".join(md))
     console.print(f"wrote bench.json, bench.md and plots to {out_dir} in {time.perf_counter() - t0:.0f}s")
     return report
-
-
-def _f(x: Any, spec: str = ".2f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    return format(x, spec)

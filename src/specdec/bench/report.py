@@ -101,7 +101,7 @@ def by_category(runs: list[Run], configs: list[Config], baseline: str, greedy: b
     return out
 
 
-def _fmt(x: Any, spec: str = ".2f") -> str:
+def fmt(x: Any, spec: str = ".2f") -> str:
     if x is None:
         return "-"
     if isinstance(x, bool):
@@ -121,12 +121,12 @@ def markdown(rows: list[dict[str, Any]], cats: dict[str, dict[str, float | None]
              header: str) -> str:
     lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        r = dict(r, spread=f"{_fmt(r.get('speedup_min'))}-{_fmt(r.get('speedup_max'))}")
-        lines.append("| " + " | ".join(_fmt(r.get(key), spec) for key, _, spec in COLUMNS) + " |")
+        r = dict(r, spread=f"{fmt(r.get('speedup_min'))}-{fmt(r.get('speedup_max'))}")
+        lines.append("| " + " | ".join(fmt(r.get(key), spec) for key, _, spec in COLUMNS) + " |")
     lines += ["", "Speedup over plain decoding by prompt category (median):", "",
               "| config | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 1)]
     for name, per in cats.items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(per[c]) for c in categories) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt(per[c]) for c in categories) + " |")
     return "\n".join(lines) + "\n"
 
 

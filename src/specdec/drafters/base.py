@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 # Called after each drafted token with that step's q (V,) (one-hot for a greedy drafter):
 # returning False stops drafting early (the confidence policy).
@@ -49,3 +49,26 @@ class Drafter(Protocol):
 
 def span() -> float:
     return time.perf_counter()
+
+
+def draft_autoregressively(step: Callable[[list[int]], torch.Tensor], feed: list[int], k: int, name: str,
+                           params: SamplingParams, generator: torch.Generator | None,
+                           keep_drafting: KeepDrafting | None) -> Draft:
+    """The drafting loop shared by model-based drafters: step(ids) -> logits (V,) of the
+    last id; each drafted token is fed back; q is recorded for the verifier."""
+    draft = Draft([], None, name)
+    rows: list[torch.Tensor] = []
+    for _ in range(k):
+        t0 = span()
+        logits = step(feed)  # (V,)
+        q = logits_to_probs(logits, params, who=f"drafter '{name}'")
+        token = int(q.argmax()) if params.greedy else int(sample(q, generator))
+        draft.step_spans.append((t0, span()))
+        draft.tokens.append(token)
+        rows.append(q)
+        feed = [token]
+        # In greedy mode q is one-hot, so confidence is read from the plain softmax.
+        if keep_drafting is not None and not keep_drafting(torch.softmax(logits, -1) if params.greedy else q):
+            break
+    draft.probs = torch.stack(rows) if rows else None
+    return draft

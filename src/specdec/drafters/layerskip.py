@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.drafters.base import Draft, KeepDrafting, draft_autoregressively
 from specdec.lm import sync
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams
 
 
 class LayerSkipDrafter:
@@ -35,23 +35,11 @@ class LayerSkipDrafter:
         feed = sync(self.target, context)
         base = len(self.target.tokens)
         calls0 = self.target.forward_calls
-        draft = Draft([], None, self.name)
-        rows = []
         try:
-            for _ in range(k):
-                t0 = span()
-                logits = self.target.early_exit(feed, self.layers)
-                q = logits_to_probs(logits, params, who=f"drafter '{self.name}'")
-                token = int(q.argmax()) if params.greedy else int(sample(q, generator))
-                draft.step_spans.append((t0, span()))
-                draft.tokens.append(token)
-                rows.append(q)
-                feed = [token]
-                if keep_drafting is not None and not keep_drafting(torch.softmax(logits, -1) if params.greedy else q):
-                    break
+            draft = draft_autoregressively(lambda ids: self.target.early_exit(ids, self.layers), feed, k, self.name,
+                                           params, generator, keep_drafting)
         finally:
             self.target.end_early_exit(base)
-        draft.probs = torch.stack(rows) if rows else None
         draft.forward_calls = self.target.forward_calls - calls0
         self.target.forward_calls = calls0  # drafting passes are not target calls
         return draft

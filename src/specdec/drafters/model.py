@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.drafters.base import Draft, KeepDrafting, draft_autoregressively
 from specdec.lm import CausalLM, sync
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams
 
 
 class ModelDrafter:
@@ -21,25 +21,12 @@ class ModelDrafter:
                 generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
         # Room in the drafter's own context: it scores positions up to len(context) + k - 2.
         k = min(k, self.lm.max_length - len(context) + 1)
-        draft = Draft([], None, self.name)
-        rows: list[torch.Tensor] = []
         # The first step feeds every committed token the cache lacks (one, or two after a
         # bonus token), so the cache catches up without re-running what it has seen.
         feed = sync(self.lm, context)
         calls0 = self.lm.forward_calls
-        for _ in range(k):
-            t0 = span()
-            logits = self.lm.forward(feed, 1)[0]  # (V,)
-            q = logits_to_probs(logits, params, who=f"drafter '{self.name}'")
-            token = int(q.argmax()) if params.greedy else int(sample(q, generator))
-            draft.step_spans.append((t0, span()))
-            draft.tokens.append(token)
-            rows.append(q)
-            feed = [token]
-            # In greedy mode q is one-hot, so confidence is read from the plain softmax.
-            if keep_drafting is not None and not keep_drafting(torch.softmax(logits, -1) if params.greedy else q):
-                break
-        draft.probs = torch.stack(rows) if rows else None
+        draft = draft_autoregressively(lambda ids: self.lm.forward(ids, 1)[0], feed, k, self.name, params,
+                                       generator, keep_drafting)
         draft.forward_calls = self.lm.forward_calls - calls0
         return draft
 

@@ -54,3 +54,17 @@ def test_token_id_prompts_are_validated():
         dec.generate([], max_new_tokens=2)
     with pytest.raises(ValueError, match="tokenizer"):
         dec.generate("text", max_new_tokens=2)
+
+
+def test_alpha_estimates_the_per_position_acceptance():
+    """With a drafter identical to the target at temperature 1, every tested position is
+    accepted (p = q), so alpha = 1; with a poor drafter alpha sits between 0 and 1 and
+    above accepted / drafted (positions after a rejection are never tested)."""
+    target = MarkovLM.random(6, order=2, seed=5)
+    same = SpeculativeDecoder(target, ModelDrafter(MarkovLM(target.table, "same")), policy=Policy(4))
+    s = same.generate([1, 2], max_new_tokens=100, temperature=1.0, seed=0).stats
+    assert s.alpha == 1.0 and s.recovered == 0
+    poor = SpeculativeDecoder(MarkovLM(target.table), ModelDrafter(MarkovLM.random(6, order=2, seed=9)),
+                              policy=Policy(4))
+    s = poor.generate([1, 2], max_new_tokens=200, temperature=1.0, seed=0).stats
+    assert 0 < s.alpha < 1 and s.alpha > s.acceptance_rate

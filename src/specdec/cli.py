@@ -49,7 +49,8 @@ def _stats_table(stats: Any, title: str) -> Any:
     d = stats.to_dict()
     for key in ["rounds", "target_calls", "draft_calls", "drafted", "accepted", "recovered", "bonus", "new_tokens"]:
         t.add_row(key, str(d[key]))
-    t.add_row("acceptance_rate", f"{d['acceptance_rate']:.3f}")
+    t.add_row("acceptance_rate (accepted/drafted)", f"{d['acceptance_rate']:.3f}")
+    t.add_row("alpha (per tested position)", f"{d['alpha']:.3f}")
     t.add_row("tokens_per_round", f"{d['tokens_per_round']:.2f}")
     t.add_row("acceptance by position", " ".join(f"{x:.2f}" for x in d["acceptance_by_position"]))
     t.add_row("wall / draft / target / other (s)",
@@ -84,7 +85,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.stats import summarize
 
     stats = summarize(events)
-    err.print(_stats_table(stats, f"speculative decoding ({args.draft}, policy {args.policy})"))
+    title = "plain decoding" if not decoder.drafters else \
+        f"speculative decoding ({', '.join(d.name for d in decoder.drafters)}, policy {args.policy})"
+    err.print(_stats_table(stats, title))
     if args.compare:
         plain = decoder.plain().generate(args.prompt, **settings)
         err.print(f"plain decoding: {plain.stats.wall_s:.3f}s for {plain.stats.new_tokens} tokens; "

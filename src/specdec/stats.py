@@ -4,6 +4,12 @@ Terms (defined once, see verify.py): drafted = tokens proposed; accepted = draft
 that passed; recovered = resampled at a rejection; bonus = sampled after a fully accepted
 draft. acceptance_rate = accepted / drafted; tokens_per_round = output tokens / rounds
 (the mean accepted run length + 1).
+
+`alpha` is the per-position acceptance probability of the theory (Leviathan et al.'s
+alpha): of the drafted tokens that were actually tested (those up to and including the
+first rejection), the fraction accepted = accepted / (accepted + rejections). It is what
+the formula (1 - alpha^(K+1)) / (1 - alpha) expects; accepted / drafted is lower, since
+tokens after a rejection count as drafted but are never tested.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Stats:
     bonus: int = 0
     new_tokens: int = 0
     acceptance_rate: float = 0.0
+    alpha: float = 0.0
     tokens_per_round: float = 0.0
     mean_accepted_run: float = 0.0
     wall_s: float = 0.0
@@ -88,6 +95,8 @@ def summarize(events: Sequence[RoundEvent]) -> Stats:
     s.wall_s = events[-1].end - events[0].start
     s.other_s = max(0.0, s.wall_s - s.draft_s - s.target_s)
     s.acceptance_rate = s.accepted / s.drafted if s.drafted else 0.0
+    rejections = sum(1 for e in events if e.next_kind == "recovered" and (e.drafted or e.proposals))
+    s.alpha = s.accepted / (s.accepted + rejections) if s.accepted + rejections else 0.0
     s.tokens_per_round = (s.accepted + s.rounds) / s.rounds
     s.mean_accepted_run = s.accepted / s.rounds
     s.tokens_per_s = s.new_tokens / s.wall_s if s.wall_s > 0 else 0.0

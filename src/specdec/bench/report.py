@@ -68,8 +68,10 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
     per_request = [s["acceptance_rate"] for s in stats if s["drafted"]]
     profiles = [s["acceptance_by_position"] for s in stats if s["acceptance_by_position"]]
     depth = max((len(p) for p in profiles), default=0)
+    tested = accepted + sum(s["recovered"] for s in stats if s["drafted"])
     row.update(
         acceptance_rate=accepted / drafted if drafted else None,
+        alpha=accepted / tested if tested else None,
         acceptance_rate_per_request=statistics.mean(per_request) if per_request else None,
         tokens_per_round=(accepted + rounds) / rounds,
         target_calls=sum(s["target_calls"] for s in stats) / len(stats),
@@ -77,8 +79,8 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
         other_fraction=sum(s["other_s"] for s in stats) / sum(s["wall_s"] for s in stats),
         acceptance_by_position=[statistics.mean(p[i] for p in profiles if len(p) > i) for i in range(depth)],
     )
-    if drafted and "t_target_1" in costs:
-        a = min(accepted / drafted, 0.999)
+    if drafted and tested and "t_target_1" in costs:
+        a = min(accepted / tested, 0.999)
         per_round = drafted / rounds
         draft_s = sum(s["draft_s"] for s in stats) / rounds
         row["c_round"] = draft_s / costs["t_target_1"]
@@ -111,7 +113,8 @@ def fmt(x: Any, spec: str = ".2f") -> str:
 
 COLUMNS = [("config", "config", "s"), ("speedup", "speedup (median)", ".2f"), ("spread", "min-max", "s"),
            ("tokens_per_s", "tok/s", ".1f"), ("acceptance_rate", "accept", ".3f"),
-           ("acceptance_rate_per_request", "accept/req", ".3f"), ("tokens_per_round", "tok/round", ".2f"),
+           ("acceptance_rate_per_request", "accept/req", ".3f"), ("alpha", "alpha", ".3f"),
+           ("tokens_per_round", "tok/round", ".2f"),
            ("target_calls", "target calls", ".1f"), ("draft_calls", "draft calls", ".1f"),
            ("predicted_speedup", "predicted", ".2f"), ("measured_over_predicted", "meas/pred", ".2f"),
            ("other_fraction", "other time", ".1%"), ("identical_to_plain", "same tokens", "s")]

@@ -31,7 +31,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--draft-tokens", "-k", type=int, default=5, help="K, tokens drafted per round")
+    p.add_argument("--draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per round")
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible completions server with streaming")
     _model_args(sv)
-    sv.add_argument("--draft-tokens", "-k", type=int, default=5)
+    sv.add_argument("--draft-tokens", "-k", type=int, default=4)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", default="specdec")

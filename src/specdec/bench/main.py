@@ -35,7 +35,7 @@ def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
              Config("drafter optimal", "ours", "default", "optimal", k=k),
              Config("ngram", "ours", "ngram", k=8),
              Config("retrieval", "ours", "retrieval", k=6),
-             Config("layerskip:3", "ours", "layerskip:3", k=3),
+             Config("layerskip:auto", "ours", "layerskip", k=3),
              Config("drafter+ngram tree", "ours", "default+ngram", k=k),
              Config("drafter+ngram best", "ours", "default+ngram", k=k, multi="best")]
     return base + mine + peers

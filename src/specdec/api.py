@@ -63,8 +63,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     same logits, less Python per step) and anything else through transformers; "hf" forces
     transformers' own forward and DynamicCache.
     draft_dtype: the drafter's weights (default: bfloat16 where the CPU has native bf16,
-    else float32). A drafter's precision never affects exactness (the verifier tests the q it sampled from), only its speed and
-    acceptance; bfloat16 halves the bytes its head reads each step.
+    else float32). A drafter's precision never affects exactness (the verifier tests the q
+    it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
+    reads each step.
     """
     from specdec.drafters import build_drafters
 

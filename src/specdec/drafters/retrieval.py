@@ -164,7 +164,7 @@ def build_default_datastore(tokenizer: Any, out: Path, heldout_percent: float = 
         task = bar.add_task("tokenizing the corpus", total=len(files))
         for i in range(0, len(files), 64):
             texts = [t for t in (read_text(f.path) for f in files[i : i + 64]) if t]
-            for enc in tokenizer(texts)["input_ids"]:
+            for enc in tokenizer(texts, verbose=False)["input_ids"]:
                 ids.extend(enc)
                 ids.append(eos)
             bar.update(task, advance=len(files[i : i + 64]))

@@ -27,7 +27,7 @@ def heldout_tokens(tokenizer: Any) -> np.ndarray:
     ids: list[int] = []
     for f in list_files(*SPLIT):
         if f.heldout and (text := read_text(f.path)):
-            ids.extend(tokenizer(text)["input_ids"])
+            ids.extend(tokenizer(text, verbose=False)["input_ids"])
             ids.append(tokenizer.eos_token_id)
     return np.asarray(ids, dtype=np.uint16)
 

@@ -127,6 +127,9 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"acceptance rate {report.acceptance_rate:.3f}")
         print(f"chi-square test of homogeneity: statistic {r.statistic:.2f}, dof {r.dof}, p-value {r.p_value:.4g}")
         print(r.verdict)
+        if r.dof < 5:
+            print(f"warning: only {r.dof + 1} cells after pooling rare continuations, so the test has little "
+                  "power; use fewer --tokens, more --samples or a more predictable --prompt")
     return 0 if r.passed else 1
 
 
@@ -198,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="statistical certificate that speculation leaves the distribution unchanged")
     _model_args(c)
     _sampling_args(c, temperature=1.0)
-    c.add_argument("--prompt", default="def parse_args(argv):\n    ")
-    c.add_argument("--tokens", type=int, default=3, help="length of each sampled continuation")
+    c.add_argument("--prompt", default="import os\nimport sys\nimport ",
+                   help="a prompt whose continuations repeat often enough to fill the test's cells")
+    c.add_argument("--tokens", type=int, default=2, help="length of each sampled continuation")
     c.add_argument("--samples", type=int, default=600, help="continuations sampled each way")
     c.add_argument("--alpha", type=float, default=0.001, help="significance level")
     c.add_argument("--json", action="store_true")

@@ -83,7 +83,6 @@ class HFCausalLM:
     def reset(self) -> None:
         self.cache = self._cache_cls(config=self.model.config)
         self.tokens: list[int] = []
-        self._early = False
         self.forward_calls = 0
 
     @torch.inference_mode()
@@ -157,7 +156,6 @@ class HFCausalLM:
                              cache=self.cache, use_cache=True, logits_to_keep=1)
         finally:
             config.num_hidden_layers = full
-        self._early = True
         self.forward_calls += 1
         return out.logits[0, -1, : self.vocab_size].float()
 
@@ -167,7 +165,6 @@ class HFCausalLM:
             extra = layer.get_seq_length() - committed
             if extra > 0:
                 layer.crop(-extra)
-        self._early = False
 
     def truncate(self, n: int) -> None:
         drop = len(self.tokens) - n

@@ -84,7 +84,6 @@ def train_target(cfg: dict[str, Any], work_dir: Path, out_dir: Path, minutes: fl
                  max_steps: int | None = None, log: Any = print) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(torch.get_num_threads())
     tok = AutoTokenizer.from_pretrained(str(work_dir / "tokenizer"))
     tcfg = dict(cfg["target"])
     model = make_llama(tcfg, len(tok), tok.eos_token_id)

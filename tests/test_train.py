@@ -9,7 +9,21 @@ from specdec import load
 from specdec.cli import main
 from specdec.train.corpus import list_files, stdlib_root
 
-CONFIG = """
+LOOP = """seq_len = 64
+batch_size = 2
+lr = 1e-3
+min_lr = 1e-4
+warmup_steps = 2
+weight_decay = 0.1
+seed = 0
+num_hidden_layers = {layers}
+num_attention_heads = 2
+num_key_value_heads = 2
+max_position_embeddings = 128
+tie_word_embeddings = true
+"""
+
+CONFIG = f"""
 [corpus]
 heldout_percent = 40
 seed = "test"
@@ -19,37 +33,15 @@ min_frequency = 2
 [target]
 hidden_size = 32
 intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 2
-max_position_embeddings = 128
-tie_word_embeddings = true
-seq_len = 64
-batch_size = 2
-lr = 1e-3
-min_lr = 1e-4
-warmup_steps = 2
-weight_decay = 0.1
 minutes = 1
-seed = 0
+{LOOP.format(layers=2)}
 [drafter]
 hidden_size = 16
 intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 2
-max_position_embeddings = 128
-tie_word_embeddings = true
-seq_len = 64
-batch_size = 2
-lr = 1e-3
-min_lr = 1e-4
-warmup_steps = 2
-weight_decay = 0.1
 data_minutes = 1
 distill_minutes = 1
 distill_temperature = 1.0
-seed = 0
+{LOOP.format(layers=1)}
 """
 
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specdec.lm import tree_layout
+
 
 def supports(model: Any) -> bool:
     """Plain Llama architecture: default RoPE, no biases, SiLU MLP."""
@@ -151,22 +153,9 @@ class FastLlamaLM:
         """new_ids (a chain) then a token tree in one pass; logits (1 + N, V) after the chain's
         last token and after each node. Nodes sit at position (chain end + depth) and see
         only their ancestors."""
-        start, n_new, n_tree = len(self.tokens), len(new_ids), len(tree_tokens)
-        depth: list[int] = []
-        for par in tree_parents:
-            depth.append(1 if par < 0 else depth[par] + 1)
-        positions = torch.tensor(list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth])
-        total = start + n_new + n_tree
-        allowed = torch.zeros(n_new + n_tree, total, dtype=torch.bool)
-        allowed[:, : start + n_new] = True
-        allowed[:n_new, start : start + n_new] = torch.ones(n_new, n_new, dtype=torch.bool).tril()
-        for i in range(n_tree):
-            node = i
-            while node >= 0:
-                allowed[n_new + i, start + n_new + node] = True
-                node = tree_parents[node]
+        positions, allowed = tree_layout(len(self.tokens), len(new_ids), tree_parents)
         ids = list(new_ids) + list(tree_tokens)
-        logits = self._run(ids, positions, allowed, n_tree + 1)
+        logits = self._run(ids, positions, allowed, len(tree_tokens) + 1)
         self.tokens.extend(ids)
         return logits
 

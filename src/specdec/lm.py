@@ -62,6 +62,27 @@ def sync(lm: CausalLM, context: Sequence[int]) -> list[int]:
     return list(context[keep:])
 
 
+def tree_layout(start: int, n_new: int, tree_parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and attention for scoring a chain of n_new tokens then a token tree after
+    `start` cached tokens. A node sits at (chain end + its depth) and sees the cache, the
+    chain, itself and its ancestors, never its siblings.
+    Returns positions (n_new + N,) int64 and allowed (n_new + N, start + n_new + N) bool."""
+    n_tree = len(tree_parents)
+    depth: list[int] = []
+    for par in tree_parents:  # parents come before children
+        depth.append(1 if par < 0 else depth[par] + 1)
+    positions = torch.tensor(list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth])
+    allowed = torch.zeros(n_new + n_tree, start + n_new + n_tree, dtype=torch.bool)
+    allowed[:, : start + n_new] = True
+    allowed[:n_new, start : start + n_new] = torch.ones(n_new, n_new, dtype=torch.bool).tril()
+    for i in range(n_tree):
+        node = i
+        while node >= 0:
+            allowed[n_new + i, start + n_new + node] = True
+            node = tree_parents[node]
+    return positions, allowed
+
+
 class HFCausalLM:
     """A Hugging Face causal LM with a `DynamicCache`, batch size 1."""
 
@@ -105,30 +126,15 @@ class HFCausalLM:
         Returns logits (1 + N, V): after the last of new_ids, then after each tree node.
         The tree's cache entries stay until `keep_tree_path` keeps the accepted path.
         """
-        start = len(self.tokens)
-        n_new, n_tree = len(new_ids), len(tree_tokens)
-        total = start + n_new + n_tree
-        depth = [0] * n_tree
-        for i, par in enumerate(tree_parents):
-            depth[i] = 1 if par < 0 else depth[par] + 1
-        positions = list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth]
-        allowed = torch.zeros(n_new + n_tree, total, dtype=torch.bool)
-        allowed[:, :start] = True
-        allowed[:n_new, start : start + n_new] = torch.tril(torch.ones(n_new, n_new, dtype=torch.bool))
-        allowed[n_new:, start : start + n_new] = True
-        for i in range(n_tree):
-            node = i
-            while node >= 0:  # a node sees itself and its ancestors, not its siblings
-                allowed[n_new + i, start + n_new + node] = True
-                node = tree_parents[node]
+        positions, allowed = tree_layout(len(self.tokens), len(new_ids), tree_parents)
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         input_ids = torch.tensor([list(new_ids) + list(tree_tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, position_ids=torch.tensor([positions], device=self.device),
+        out = self.model(input_ids=input_ids, position_ids=positions[None].to(self.device),
                          attention_mask=mask[None, None].to(self.device), cache=self.cache, use_cache=True)
         self.tokens.extend(list(new_ids) + list(tree_tokens))
         self.forward_calls += 1
-        return out.logits[0, n_new - 1 :, : self.vocab_size].float()
+        return out.logits[0, len(new_ids) - 1 :, : self.vocab_size].float()
 
     def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
         """After forward_tree: keep the chain and the accepted path's entries, drop the rest."""

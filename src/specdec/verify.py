@@ -110,13 +110,6 @@ class DraftTree:
             self.proposals.append((parent, node, None if probs is None else probs[i], name))
             parent = node
 
-    def depth(self, node: int) -> int:
-        d = 0
-        while node != -1:
-            node = self.parents[node]
-            d += 1
-        return d
-
 
 @dataclass(frozen=True)
 class TreeVerdict:

@@ -14,13 +14,14 @@ from specdec.bench.runner import Config, Run, predicted_speedup
 def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tuple[list[float], bool]:
     """Per (prompt, repeat) speedup of `name` over `baseline`, time per token; and whether
     every greedy output was identical to the baseline's."""
-    base: dict[tuple[int, int], list[Run]] = defaultdict(list)
-    mine: dict[tuple[int, int], list[Run]] = defaultdict(list)
+    # runs of one prompt are in repeat order, so the i-th of each side pair up
+    base: dict[int, list[Run]] = defaultdict(list)
+    mine: dict[int, list[Run]] = defaultdict(list)
     for r in runs:
         if r.config == baseline:
-            base[(r.prompt, 0)].append(r)
+            base[r.prompt].append(r)
         if r.config == name:
-            mine[(r.prompt, 0)].append(r)
+            mine[r.prompt].append(r)
     ratios, identical = [], True
     for key, rs in mine.items():
         for rep, r in enumerate(rs):

@@ -31,6 +31,8 @@ def supports(model: Any) -> bool:
 
 
 class FastLlamaLM:
+    INITIAL_CAPACITY = 256  # KV positions allocated up front
+
     def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
         if not supports(model):
             raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
@@ -55,11 +57,30 @@ class FastLlamaLM:
             scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
-        shape = (len(self.layers), self.n_kv, self.max_length, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.embed.dtype)
-        self.v_cache = torch.zeros(shape, dtype=self.embed.dtype)
+        # The KV buffer grows with the request (doubling, up to the context), instead of being
+        # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
+        self.k_cache = self.v_cache = torch.zeros(0)
+        self._reserve(self.INITIAL_CAPACITY)
         self.tokens: list[int] = []
         self.forward_calls = 0
+
+    @property
+    def capacity(self) -> int:
+        """KV positions currently allocated."""
+        return int(self.k_cache.shape[2])
+
+    def _reserve(self, end: int) -> None:
+        """Make room for cache slots [0, end): grow by doubling, keep what is written."""
+        end = min(max(end, 1), self.max_length)
+        if self.k_cache.dim() == 4 and end <= self.capacity:
+            return
+        size = min(self.max_length, max(end, 2 * self.capacity if self.k_cache.dim() == 4 else end))
+        shape = (len(self.layers), self.n_kv, size, self.head_dim)
+        k, v = torch.zeros(shape, dtype=self.embed.dtype), torch.zeros(shape, dtype=self.embed.dtype)
+        if self.k_cache.dim() == 4:
+            k[:, :, : self.capacity] = self.k_cache
+            v[:, :, : self.capacity] = self.v_cache
+        self.k_cache, self.v_cache = k, v
 
     @staticmethod
     def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
@@ -113,6 +134,7 @@ class FastLlamaLM:
         start, n = len(self.tokens), len(ids)
         if start + n > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
+        self._reserve(start + n)
         x = self.embed[torch.tensor(list(ids))]  # (n, D)
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask)

@@ -190,11 +190,15 @@ def _is_hub_id(name: str) -> bool:
 
 def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                     role: str = "model") -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face id or a local directory, with clear errors."""
+    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file or "smollm2"
+    (converted once, see specdec.gguf), with clear errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from specdec.gguf import resolve_model
+
     hf_logging.disable_progress_bar()
+    name_or_path = resolve_model(name_or_path)
     path = Path(name_or_path).expanduser()
     if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
         raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")

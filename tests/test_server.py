@@ -1,62 +1,258 @@
-"""The OpenAI-compatible server, in process: completions, streaming, errors, disconnects."""
+"""The OpenAI-compatible server on a real loopback socket: answers, streams, bad input,
+limits, authentication. Tiny random models; the chat model is in test_server_openai.py."""
 
+import base64
 import json
+import threading
+import time
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from specdec import load
-from specdec.server import create_app
+from specdec.server import ServerConfig, create_app
+from tests.server_fixtures import serve_in_thread, sse_chunks
 
 
 @pytest.fixture(scope="module")
-def client(tiny_pair):
-    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=3)
-    return TestClient(create_app(decoder, "tiny")), decoder
+def decoder(tiny_pair):
+    return load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=3)
 
 
-def test_completion_matches_the_library(client):
-    c, decoder = client
-    r = c.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 12, "temperature": 0})
-    assert r.status_code == 200
+@pytest.fixture(scope="module")
+def server(decoder):
+    config = ServerConfig(max_body_bytes=100_000, max_tokens=300, max_draft_tokens=8)
+    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        yield c
+
+
+def plain_text(decoder, prompt, n):
+    return decoder.plain().generate(prompt, max_new_tokens=n, temperature=0).text
+
+
+def test_completion_matches_the_library(server, decoder):
+    r = server.post("/v1/completions", json={"model": "tiny", "prompt": "def f(", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
     body = r.json()
-    want = decoder.plain().generate("def f(", max_new_tokens=12, temperature=0)
-    assert body["choices"][0]["text"] == want.text
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == plain_text(decoder, "def f(", 12)
     assert body["usage"]["completion_tokens"] == 12 and body["specdec"]["rounds"] >= 1
 
 
-def test_streaming_sends_rounds_then_done(client):
-    c, decoder = client
-    with c.stream("POST", "/v1/completions",
-                  json={"prompt": "import ", "max_tokens": 16, "temperature": 0, "stream": True}) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[6:]) for line in lines[:-1]]
-    text = "".join(ch["choices"][0]["text"] for ch in chunks)
+def test_streaming_sends_rounds_then_usage_then_done(server, decoder):
+    payload = {"prompt": "import ", "max_tokens": 16, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with server.stream("POST", "/v1/completions", json=payload) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_chunks(r.iter_lines())
+    assert chunks[-1] == "[DONE]"
+    usage, rounds = chunks[-2], chunks[:-2]
     want = decoder.plain().generate("import ", max_new_tokens=16, temperature=0)
-    assert text == want.text
-    assert chunks[-1]["choices"][0]["finish_reason"] == ("length" if want.finish_reason == "length" else "stop")
-    assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(want.token_ids)
+    assert all(ch["usage"] is None for ch in rounds)
+    assert "".join(ch["choices"][0]["text"] for ch in rounds) == want.text
+    assert rounds[-1]["choices"][0]["finish_reason"] == ("length" if want.finish_reason == "length" else "stop")
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in rounds[:-1])
+    for ch in rounds:  # the per-round extension the web view draws
+        s = ch["specdec"]
+        assert len(s["drafted"]) == len(s["drafted_ids"]) <= 3 and 0 <= s["accepted"] <= len(s["drafted"])
+        assert s["next_kind"] in ("recovered", "bonus") and s["target_ms"] > 0
+    assert sum(ch["specdec"]["committed"] for ch in rounds) == len(want.token_ids)
 
 
-@pytest.mark.parametrize("payload", [{"prompt": ""}, {"prompt": "x", "temperature": -1}, {"prompt": "x", "top_p": 0},
-                                     {"prompt": "x", "max_tokens": 0}])
-def test_bad_requests_are_clear_errors(client, payload):
-    r = client[0].post("/v1/completions", json=payload)
-    assert r.status_code in (400, 422)
+def test_per_request_draft_tokens_and_plain_decoding(server, decoder):
+    want = plain_text(decoder, "class ", 10)
+    for spec, most in [({"draft_tokens": 1}, 1), ({"draft_tokens": 6}, 6), ({"draft": "none"}, 0)]:
+        payload = {"prompt": "class ", "max_tokens": 10, "temperature": 0, "stream": True, "specdec": spec}
+        with server.stream("POST", "/v1/completions", json=payload) as r:
+            rounds = sse_chunks(r.iter_lines())[:-1]
+        assert "".join(ch["choices"][0]["text"] for ch in rounds) == want
+        assert max(len(ch["specdec"]["drafted"]) for ch in rounds) <= most
+    assert max(len(ch["specdec"]["drafted"]) for ch in rounds) == 0
 
 
-def test_prompt_past_the_context_is_a_400(client):
-    r = client[0].post("/v1/completions", json={"prompt": "x = 1\n" * 400, "max_tokens": 4})
-    assert r.status_code == 400 and "context" in r.json()["detail"]
+def test_seeded_sampling_is_reproducible(server):
+    payload = {"prompt": "def ", "max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    a, b = (server.post("/v1/completions", json=payload).json() for _ in range(2))
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["specdec"]["rounds"] == b["specdec"]["rounds"]
 
 
-def test_a_client_that_disconnects_loses_nothing(client):
-    c, _ = client
-    with c.stream("POST", "/v1/completions", json={"prompt": "def ", "max_tokens": 60, "stream": True}) as r:
-        next(r.iter_lines())  # read one event, then hang up
-    r = c.post("/v1/completions", json={"prompt": "def ", "max_tokens": 5, "temperature": 0})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-    metrics = c.get("/metrics").text
-    assert "specdec_requests_total" in metrics and "specdec_acceptance_rate" in metrics
-    assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+def _error(r, status, *words, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+RAW = "application/json"
+BAD = [  # (raw JSON body, status, words in the message, param)
+    ('{"prompt": "x", "temperature": NaN}', 400, ["finite"], "temperature"),
+    ('{"prompt": "x", "top_p": NaN}', 400, ["finite"], "top_p"),
+    ('{"prompt": "x", "temperature": Infinity}', 400, ["finite"], "temperature"),
+    ('{"prompt": "x", "top_p": -Infinity}', 400, ["finite"], "top_p"),
+    ('{"prompt": "x\\ud800y"}', 400, ["surrogate"], "prompt"),
+    ('{"prompt": "x", "stop": ["\\udfff"]}', 400, ["surrogate"], "stop"),
+    ('{"prompt": "x", "seed": 18446744073709551616}', 400, ["seed"], "seed"),
+    ('{"prompt": "x", "seed": 9223372036854775808}', 400, ["seed"], "seed"),
+    ('{"prompt": "x", "seed": -1}', 400, ["seed"], "seed"),
+    ('{"prompt": ""}', 400, ["empty"], "prompt"),
+    ('{"prompt": "x", "temperature": -1}', 400, ["temperature"], "temperature"),
+    ('{"prompt": "x", "top_p": 0}', 400, ["top_p"], "top_p"),
+    ('{"prompt": "x", "max_tokens": 0}', 400, ["max_tokens"], "max_tokens"),
+    ('{"prompt": "x", "max_tokens": 301}', 400, ["at most 300"], "max_tokens"),
+    ('{"prompt": "x", "n": 2}', 400, ["n > 1", "not supported"], "n"),
+    ('{"prompt": "x", "best_of": 3}', 400, ["best_of", "not supported"], "best_of"),
+    ('{"prompt": "x", "logprobs": 2}', 400, ["logprobs", "not supported"], "logprobs"),
+    ('{"prompt": "x", "echo": true}', 400, ["echo", "not supported"], "echo"),
+    ('{"prompt": "x", "model": "gpt-4"}', 400, ["gpt-4", "tiny"], "model"),
+    ('{"prompt": ["a", "b"]}', 400, ["list of prompts"], "prompt"),
+    ('{"prompt": [1, 99999]}', 400, ["token ids"], "prompt"),
+    ('{"prompt": "x", "specdec": {"draft_tokens": 9}}', 400, ["at most 8"], "specdec.draft_tokens"),
+    ('{"prompt": "x", "specdec": {"draft": "ngram"}}', 400, ["'none'"], "specdec.draft"),
+    ('{"prompt": "x", "specdec": {"policy": "optimal"}}', 400, ["fixed"], "specdec.policy"),
+    ('{"prompt": "x", "specdec": {"K": 3}}', 400, ["specdec.K"], "specdec.K"),
+    ('{"prompt": "x", "stop": [""]}', 400, ["non-empty"], "stop"),
+    ('{"prompt": "x", ', 400, ["JSON"], None),
+    ('{"prompt": "' + "x = 1\\n" * 400 + '"}', 400, ["context"], "prompt"),
+    ('{"prompt": "' + "x = 1\\n" * 400 + '", "stream": true}', 400, ["context"], "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,words,param", BAD, ids=[b[:40] for b, *_ in BAD])
+def test_bad_input_is_a_clear_4xx(server, body, status, words, param):
+    r = server.post("/v1/completions", content=body.encode("utf-8", "surrogatepass"),
+                    headers={"content-type": RAW})
+    _error(r, status, *words, param=param)
+
+
+def test_bad_chat_input(server):
+    _error(server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}),
+           400, "no chat template", param="messages")
+    _error(server.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
+    _error(server.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
+
+
+def test_a_keep_alive_connection_survives_bad_input(server):
+    with httpx.Client(base_url=str(server.base_url), timeout=30) as c:
+        for body in ['{"prompt": "x", "temperature": NaN}', '{"prompt": "x\\ud800"}']:
+            _error(c.post("/v1/completions", content=body, headers={"content-type": RAW}), 400)
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_large_bodies_get_413_and_errors_never_echo_the_input(server):
+    big = "y" * 200_000
+    _error(server.post("/v1/completions", json={"prompt": big}), 413, "100000 bytes")
+    r = server.post("/v1/completions", json={"prompt": "x", "stop": {"a": "z" * 90_000}})
+    _error(r, 400, param="stop")
+    assert len(r.content) < 2000
+    assert server.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_models(server):
+    data = server.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["tiny"] and data[0]["specdec"]["draft_tokens"] == 3
+    assert server.get("/v1/models/tiny").json()["id"] == "tiny"
+    err = _error(server.get("/v1/models/gpt-4"), 404, "gpt-4")
+    assert err["code"] == "model_not_found"
+    _error(server.get("/no/such/path"), 404)
+
+
+def test_health_and_metrics(server):
+    assert server.get("/health").json()["status"] == "ok"
+    text = server.get("/metrics").text
+    for name in ["specdec_requests_total", "specdec_queue_depth", "specdec_batch_size", "specdec_drafted_tokens_total",
+                 "specdec_accepted_tokens_total", "specdec_recovered_tokens_total", "specdec_bonus_tokens_total",
+                 "specdec_acceptance_rate", "specdec_tokens_per_round_bucket",
+                 "specdec_time_to_first_token_seconds_bucket", "specdec_request_latency_seconds_bucket"]:
+        assert name in text, name
+
+
+def test_the_web_view_is_served(server):
+    r = server.get("/")
+    assert r.status_code == 200 and "<html" in r.text.lower()
+    assert 'src="http' not in r.text and 'href="http' not in r.text and "@import" not in r.text  # no CDN
+
+
+@pytest.fixture
+def slow_decoder(tiny_pair):
+    """A decoder whose rounds take 20 ms and that never meets EOS: requests of known length."""
+    slow = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=1)
+    slow.eos_token_ids = set()
+    rounds = slow.stream
+
+    def stream(*args, **kwargs):
+        for event in rounds(*args, **kwargs):
+            time.sleep(0.02)
+            yield event
+
+    slow.stream = stream
+    return slow
+
+
+def test_a_full_queue_gets_429_and_a_deadline_ends_a_request(slow_decoder):
+    config = ServerConfig(max_batch=1, max_queue=1, timeout_s=1.5)
+    with serve_in_thread(create_app(slow_decoder, "tiny", config)) as url, \
+            httpx.Client(base_url=url, timeout=30) as c:
+        long = {"prompt": "a", "max_tokens": 200, "temperature": 0}
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(c.post("/v1/completions", json=long)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        assert c.get("/health").json() == {"status": "ok", "queued": 1, "running": 1}
+        err = _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 429, "queue is full")
+        assert err["type"] == "rate_limit_error"
+        for t in threads:
+            t.join(30)
+        first = min(results, key=lambda r: r.status_code)
+        assert first.status_code == 200 and first.json()["specdec"]["deadline_exceeded"]
+        assert 0 < first.json()["usage"]["completion_tokens"] < 200
+        assert sorted(r.status_code for r in results) in ([200, 200], [200, 503])
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_api_key(decoder):
+    key = "s3cret-key"
+    config = ServerConfig(api_key=key)
+    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        assert c.get("/health").status_code == 200
+        for path in ["/v1/models", "/metrics", "/docs", "/openapi.json", "/"]:
+            err = _error(c.get(path), 401, "API key")
+            assert err["type"] == "authentication_error"
+            _error(c.get(path, headers={"Authorization": "Bearer wrong"}), 401, "not valid")
+            assert c.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert "basic" in c.get("/").headers["www-authenticate"].lower()
+        basic = base64.b64encode(f"me:{key}".encode()).decode()
+        assert c.get("/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
+        _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 401)
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+
+
+def test_interleaved_requests_are_each_identical_to_plain_decoding(server, decoder):
+    prompts = ["def ", "import os\n", "class A:", "for i in", "x = [", "return "]
+    want = {p: plain_text(decoder, p, 24) for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(p):
+        payload = {"prompt": p, "max_tokens": 24, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=str(server.base_url), timeout=30) as c, \
+                c.stream("POST", "/v1/completions", json=payload) as r:
+            got[p] = "".join(ch["choices"][0]["text"] for ch in sse_chunks(r.iter_lines())[:-1])
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+
+
+def test_json_error_bodies_are_json(server):
+    r = server.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": RAW})
+    assert r.status_code == 400 and json.loads(r.text)["error"]["message"]

@@ -166,12 +166,23 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
     import uvicorn
 
-    from specdec.server import create_app
+    from specdec.server import ServerConfig, create_app
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    config = ServerConfig(api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
+                          max_batch=args.max_batch, max_queue=args.max_queue, timeout_s=args.timeout or None,
+                          max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
+                          max_draft_tokens=args.max_draft_tokens)
+    if config.max_batch < 1 or config.max_queue < 0:
+        raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     decoder = _load(args)
-    uvicorn.run(create_app(decoder, args.model_name), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(decoder, args.model_name, config), host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -234,12 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--out", default=None, help="where to write it (default: the cache used by --draft retrieval)")
     ix.set_defaults(func=cmd_index)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible completions server with streaming")
+    sv = sub.add_parser("serve", help="OpenAI-compatible server: completions, chat, streaming, web view at /")
     _model_args(sv)
-    sv.add_argument("--draft-tokens", "-k", type=int, default=4)
-    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--draft-tokens", "-k", type=int, default=4, help="default K; requests may ask for another")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--model-name", default="specdec")
+    sv.add_argument("--model-name", default="specdec", help="the model id clients send and /v1/models lists")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                         "(default: $SPECDEC_API_KEY; none when unset)")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests generated at once, round by round")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch; more get 429")
+    sv.add_argument("--timeout", type=float, default=600.0,
+                    help="per-request deadline in seconds from arrival (0 = none); a request past it stops")
+    sv.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
+    sv.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask")
+    sv.add_argument("--max-draft-tokens", type=int, default=16,
+                    help="the largest specdec.draft_tokens a request may ask")
+    sv.add_argument("--shutdown-timeout", type=float, default=3.0,
+                    help="seconds open requests get to finish after SIGTERM before they are cut off")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="side-by-side speed report against plain decoding and Hugging Face")

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible completions server with streaming (`specdec serve`)."""
+"""An OpenAI-compatible server with streaming, a scheduler and a live web view (`specdec serve`)."""
 
-from specdec.server.app import create_app
+from specdec.server.app import ServerConfig, create_app
 
-__all__ = ["create_app"]
+__all__ = ["ServerConfig", "create_app"]

@@ -1,138 +1,347 @@
-"""FastAPI app: POST /v1/completions (OpenAI-compatible, `stream: true` sends server-sent
-events round by round), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+"""FastAPI app: OpenAI-compatible /v1/completions and /v1/chat/completions (server-sent
+events with `stream: true`), /v1/models, /health, /metrics (Prometheus) and a live web
+view at /.
 
-One decoder, one request at a time (batch size 1): a lock serialises generations, and it
-is released when a streaming client disconnects, because the response generator is
-closed and the engine stops at its next round.
+A request is validated and tokenised before it is queued, so bad input is a 4xx before any
+response header is sent and never reaches the engine. The scheduler (scheduler.py) runs the
+engine in one thread; here each request only awaits its own queue, and a task watches the
+connection so that a client that goes away, queued or running, is cancelled at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import threading
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.resources import files
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from specdec.engine import SpeculativeDecoder
-from specdec.errors import SpecdecError
+from specdec.server.errors import ApiError, install_handlers
+from specdec.server.metrics import ServerMetrics
+from specdec.server.middleware import ApiKeyAuth, BodyLimit
+from specdec.server.scheduler import End, Job, JobStream, QueueFull, Round, Scheduler
+from specdec.server.schemas import ChatRequest, CompletionRequest, SpecdecOptions, _Sampling
 from specdec.stats import summarize
 
-
-class CompletionRequest(BaseModel):
-    prompt: str
-    model: str | None = None
-    max_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+log = logging.getLogger("specdec.server")
 
 
-class Metrics:
-    """Counters since start, exported in Prometheus text format."""
+@dataclass
+class ServerConfig:
+    """What the operator allows. Per-request settings must stay within these."""
 
-    def __init__(self) -> None:
-        self.counts = {"requests": 0, "rounds": 0, "drafted": 0, "accepted": 0, "recovered": 0, "bonus": 0,
-                       "generated_tokens": 0, "target_calls": 0, "draft_calls": 0, "disconnects": 0}
-        self.lock = threading.Lock()
-
-    def add(self, stats: Any) -> None:
-        with self.lock:
-            self.counts["requests"] += 1
-            for key in ["rounds", "drafted", "accepted", "recovered", "bonus", "target_calls", "draft_calls"]:
-                self.counts[key] += getattr(stats, key)
-            self.counts["generated_tokens"] += stats.new_tokens
-
-    def text(self) -> str:
-        lines = []
-        for key, value in self.counts.items():
-            lines += [f"# TYPE specdec_{key}_total counter", f"specdec_{key}_total {value}"]
-        drafted = self.counts["drafted"]
-        rate = self.counts["accepted"] / drafted if drafted else 0.0
-        lines += ["# TYPE specdec_acceptance_rate gauge", f"specdec_acceptance_rate {rate}"]
-        return "\n".join(lines) + "\n"
+    api_key: str | None = None
+    max_batch: int = 8  # requests generated at once, interleaved round by round
+    max_queue: int = 256  # requests waiting; beyond it, 429
+    timeout_s: float | None = 600.0  # per-request deadline, from arrival
+    max_body_bytes: int = 2_000_000
+    max_tokens: int = 4096  # largest max_tokens a request may ask for
+    max_draft_tokens: int = 16  # largest specdec.draft_tokens a request may ask for
 
 
-def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec") -> FastAPI:
-    app = FastAPI(title="specdec", description="Lossless speculative decoding, OpenAI-compatible completions")
-    busy = threading.Lock()
-    metrics = Metrics()
+def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue)
+    tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once
 
-    def settings(req: CompletionRequest) -> dict[str, Any]:
-        return dict(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                    seed=req.seed, stop=req.stop)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        scheduler.stop()
 
-    def check(req: CompletionRequest) -> None:
-        if not req.prompt:
-            raise HTTPException(400, "the prompt is empty")
+    app = FastAPI(title="specdec", lifespan=lifespan,
+                  description="Lossless speculative decoding behind OpenAI-compatible endpoints")
+    app.state.scheduler, app.state.metrics, app.state.config = scheduler, metrics, config
+    install_handlers(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyAuth, key=config.api_key, open_paths={"/health"})
+
+    prophet = "+".join(d.name for d in decoder.drafters) or "none"
+    policy = getattr(decoder.policy, "name", "fixed")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec",
+                "specdec": {"target": decoder.target.name, "draft": prophet, "policy": policy,
+                            "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
+                            "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
+                            "chat": bool(getattr(decoder.tokenizer, "chat_template", None))}}
+
+    # ----------------------------------------------------------------- validation
+    def settings(body: _Sampling, max_tokens: int | None, prompt_len: int, endpoint: str) -> Job:
+        opts = body.specdec or SpecdecOptions()
+        if opts.draft_tokens is not None and opts.draft_tokens > config.max_draft_tokens:
+            raise ApiError(400, f"specdec.draft_tokens may be at most {config.max_draft_tokens} on this server",
+                           "specdec.draft_tokens")
+        if opts.draft not in (None, "default", prophet, "none"):
+            raise ApiError(400, f"specdec.draft: this server has prophet '{prophet}' loaded; choose 'default' or "
+                                "'none' (plain decoding)", "specdec.draft")
+        if opts.policy not in (None, policy):
+            raise ApiError(400, f"specdec.policy: this server runs policy '{policy}' only", "specdec.policy")
+        room = decoder.target.max_length - prompt_len
+        if max_tokens is None:
+            max_tokens = min(config.max_tokens, room)
+        if max_tokens > config.max_tokens:
+            raise ApiError(400, f"max_tokens may be at most {config.max_tokens} on this server", "max_tokens")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise ApiError(400, "stop strings must be non-empty", "stop")
+        return Job(ids=[], max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k or None,
+                   top_p=body.top_p, seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
+                   plain=opts.draft == "none" and prophet != "none", details=opts.rounds, timeout_s=config.timeout_s,
+                   endpoint=endpoint)
+
+    def check_common(body: _Sampling) -> None:
+        if body.model is not None and body.model != model_name:
+            raise ApiError(400, f"the model '{body.model[:100]}' is not served here; this server serves "
+                                f"'{model_name}' (see /v1/models)", "model", "model_not_found")
+        if (bad := body.unsupported()) is not None:
+            raise ApiError(400, bad[1], bad[0], "unsupported_parameter")
+        if body.stop and decoder.tokenizer is None:
+            raise ApiError(400, "stop strings need a tokenizer", "stop")
+
+    def check_context(ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(ids) >= decoder.target.max_length:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
+                                f"{decoder.target.max_length} tokens: shorten it", param, "context_length_exceeded")
+
+    def encode_prompt(prompt: str | list[str] | list[int]) -> list[int]:
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            ids = [int(p) for p in prompt]
+            if min(ids) < 0 or max(ids) >= decoder.target.vocab_size:
+                raise ApiError(400, f"prompt token ids must be in [0, {decoder.target.vocab_size})", "prompt")
+            return ids
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ApiError(400, "a list of prompts is not supported: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        if decoder.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer: send token ids", "prompt")
+        with tokenizer_lock:
+            return list(decoder.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(body: ChatRequest) -> list[int]:
+        tok = decoder.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, f"the model '{model_name}' has no chat template: use /v1/completions", "messages")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        with tokenizer_lock:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    # ----------------------------------------------------------------- running a job
+    def submit(job: Job) -> JobStream:
+        try:
+            return scheduler.submit(job)
+        except QueueFull as e:
+            metrics.rejected.labels("queue_full").inc()
+            raise ApiError(429, str(e), None, "queue_full", {"Retry-After": "1"}) from None
+
+    async def watch(request: Request, stream: JobStream) -> None:
+        """Cancel the job when the client goes away (the body has been read by now)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                if not stream.ended:
+                    stream.cancel("disconnect")
+                return
+
+    async def run(request: Request, job: Job, chat: bool, include_usage: bool, stream_it: bool) -> Response:
+        rid = ("chatcmpl-" if chat else "cmpl-") + job.id
+        stream = submit(job)
+        watcher = asyncio.create_task(watch(request, stream))
+        try:
+            first = await anext(stream)
+        except BaseException:
+            watcher.cancel()
+            stream.cancel()
+            raise
+        if isinstance(first, End) and first.reason != "done":
+            watcher.cancel()
+            raise _end_to_error(first)
+        shape = _Shape(rid, model_name, chat, len(job.ids), include_usage)
+        if stream_it:
+            return EventStream(shape.sse(first, stream, watcher))
+        try:
+            return JSONResponse(await shape.collect(first, stream))
+        finally:
+            watcher.cancel()
+
+    # ----------------------------------------------------------------- endpoints
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_common(body)
+        ids = await run_in_threadpool(encode_prompt, body.prompt)
+        check_context(ids, "prompt")
+        job = settings(body, body.max_tokens, len(ids), "completions")
+        job.ids = ids
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await run(request, job, False, usage, body.stream)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        check_common(body)
+        ids = await run_in_threadpool(encode_chat, body)
+        check_context(ids, "messages")
+        job = settings(body, body.max_completion_tokens or body.max_tokens, len(ids), "chat")
+        job.ids = ids
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await run(request, job, True, usage, body.stream)
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        queued, running = scheduler.depth()
+        return {"status": "ok", "queued": queued, "running": running}
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdec"}]}
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def prometheus() -> str:
-        return metrics.text()
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise ApiError(404, f"the model '{model_id[:100]}' does not exist; this server serves '{model_name}'",
+                           "model", "model_not_found")
+        return model_card()
 
-    @app.post("/v1/completions", response_model=None)
-    def completions(req: CompletionRequest) -> Any:
-        check(req)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        if req.stream:
-            return StreamingResponse(stream(req, rid), media_type="text/event-stream")
-        with busy:
-            try:
-                out = decoder.generate(req.prompt, **settings(req))
-            except (SpecdecError, ValueError) as e:
-                raise HTTPException(400, str(e)) from e
-        metrics.add(out.stats)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "text": out.text, "finish_reason": _finish(out.finish_reason)}],
-                "usage": {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.token_ids),
-                          "total_tokens": len(out.prompt_ids) + len(out.token_ids)},
-                "specdec": out.stats.to_dict()}
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def stream(req: CompletionRequest, rid: str) -> Iterator[str]:
-        events = []
-        finished = False
-        with busy:
-            try:
-                for event in decoder.stream(req.prompt, **settings(req)):
-                    events.append(event)
-                    chunk = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                             "choices": [{"index": 0, "text": event.text,
-                                          "finish_reason": _finish(event.finish_reason)}],
-                             "specdec": {"round": event.index, "accepted": event.accepted,
-                                         "drafted": len(event.drafted), "next_kind": event.next_kind}}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                finished = True
-                yield "data: [DONE]\n\n"
-            except (SpecdecError, ValueError) as e:
-                finished = True
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
-            finally:
-                if events:
-                    metrics.add(summarize(events))
-                if not finished:
-                    with metrics.lock:
-                        metrics.counts["disconnects"] += 1
+    @app.get("/", response_class=HTMLResponse)
+    async def web_view() -> HTMLResponse:
+        return HTMLResponse(files("specdec.server").joinpath("static/index.html").read_text(encoding="utf-8"))
 
     return app
+
+
+class EventStream(Response):
+    """Server-sent events from an async iterator of strings. The disconnect watcher, not
+    this response, notices a client that leaves; sending to it then is a no-op."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+        self.status_code, self.background, self.chunks = 200, None, chunks
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # no content-length
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass
+        finally:
+            await self.chunks.aclose()
 
 
 def _finish(reason: str | None) -> str | None:
     if reason is None:
         return None
     return "stop" if reason in ("eos", "stop") else "length"
+
+
+class _Shape:
+    """OpenAI's response and chunk shapes for one request."""
+
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool) -> None:
+        self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
+        self.prompt_tokens, self.created = prompt_tokens, int(time.time())
+        self.completion_tokens = 0
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def collect(self, first: Round | End, stream: JobStream) -> dict[str, Any]:
+        events, item = [], first
+        while isinstance(item, Round):
+            events.append(item.event)
+            item = await anext(stream)
+        if item.reason not in ("done", "deadline"):
+            raise _end_to_error(item)
+        text = "".join(e.text for e in events)
+        self.completion_tokens = sum(len(e.committed) for e in events)
+        reason = _finish(events[-1].finish_reason if events else "length") or "length"
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        stats = summarize(events).to_dict()
+        if item.reason == "deadline":
+            stats["deadline_exceeded"] = True
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(),
+                "specdec": stats}
+
+    def chunk(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+              usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        if extra is not None:
+            body["specdec"] = extra
+        return f"data: {json.dumps(body)}\n\n"
+
+    def choice(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+    async def sse(self, first: Round | End, stream: JobStream,
+                  watcher: asyncio.Task[None]) -> AsyncGenerator[str, None]:
+        try:
+            item, n = first, 0
+            while isinstance(item, Round):
+                e = item.event
+                self.completion_tokens += len(e.committed)
+                extra = {"round": e.index, "drafted": item.drafted_text, "drafted_ids": e.drafted,
+                         "accepted": e.accepted, "next_kind": e.next_kind, "next_token": item.next_text,
+                         "committed": len(e.committed), "draft_ms": round(e.draft_s * 1e3, 3),
+                         "target_ms": round(e.target_s * 1e3, 3), "start_ms": round(e.start * 1e3, 3),
+                         "end_ms": round(e.end * 1e3, 3)} if stream.job.details else None
+                yield self.chunk([self.choice(e.text, _finish(e.finish_reason), n == 0)], extra)
+                n += 1
+                item = await anext(stream)
+            if item.reason == "deadline":
+                yield self.chunk([self.choice("", "length", n == 0)], {"deadline_exceeded": True})
+            elif item.reason != "done":
+                err = _end_to_error(item)
+                yield f"data: {json.dumps(err.body())}\n\n"
+                return
+            if self.include_usage:
+                yield self.chunk([], None, self.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            stream.cancel()
+
+
+def _end_to_error(end: End) -> ApiError:
+    status = end.status if end.status >= 400 else (499 if end.reason == "cancelled" else 500)
+    return ApiError(status, end.message or end.reason, None, end.reason)

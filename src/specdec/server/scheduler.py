@@ -1,0 +1,336 @@
+"""The scheduler: one thread owns the engine; everything else talks to it through queues.
+
+    stream = scheduler.submit(job)      # in the event loop; QueueFull when the queue is full
+    async for item in stream: ...       # Round per engine round, then one End
+    stream.cancel("disconnect")         # queued: dropped now; running: stopped before its next round
+
+Requests join and leave between rounds. Up to `max_batch` run interleaved, round by round,
+each in a slot with its own decoder over the same weights (its own KV caches), so a
+request's tokens are exactly those it would get alone: nothing but the weights is shared.
+When the engine gains a batched `step(requests)`, `_run_round` is the one place to change:
+the rest (admission, cancellation, deadlines, feeding streams) stays as it is.
+
+The thread never blocks on a client: it posts each item with `loop.call_soon_threadsafe`
+into the request's asyncio queue, and a client that stops reading costs it nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.retrieval import RetrievalDrafter
+from specdec.engine import SpeculativeDecoder
+from specdec.errors import SpecdecError
+from specdec.events import RoundEvent
+from specdec.server.metrics import ServerMetrics
+
+log = logging.getLogger("specdec.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """A validated, tokenised request, ready to run."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    draft_tokens: int | None = None
+    plain: bool = False  # plain decoding (no prophet), e.g. the web view's side-by-side run
+    details: bool = True  # token texts of each round, for the web view
+    timeout_s: float | None = None
+    endpoint: str = "completions"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+@dataclass
+class Round:
+    event: RoundEvent
+    drafted_text: list[str]
+    next_text: str
+
+
+@dataclass
+class End:
+    reason: str  # "done", "cancelled", "deadline", "shutdown" or "error"
+    message: str = ""
+    status: int = 200  # the HTTP status an error maps to
+
+
+class JobStream:
+    """The client side of a job: an async iterator of Round items ending with one End."""
+
+    def __init__(self, scheduler: Scheduler, job: Job) -> None:
+        self.scheduler, self.job = scheduler, job
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Round | End] = asyncio.Queue()
+        self.arrived = time.monotonic()
+        self.deadline = self.arrived + job.timeout_s if job.timeout_s else None
+        self.cancelled: str | None = None  # why, once cancelled
+        self.ended = False  # an End was received by the client side
+        self.started: float | None = None
+        self.first_token: float | None = None
+
+    def __aiter__(self) -> JobStream:
+        return self
+
+    async def __anext__(self) -> Round | End:
+        if self.ended:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, End):
+            self.ended = True
+        return item
+
+    def cancel(self, why: str = "cancelled") -> None:
+        if not self.ended:
+            self.scheduler.cancel(self, why)
+
+    def post(self, item: Round | End) -> None:
+        """From any thread; dropped silently if the event loop has closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+@dataclass
+class _Slot:
+    spec: SpeculativeDecoder
+    plain: SpeculativeDecoder | None = None
+
+    def decoder(self, plain: bool) -> SpeculativeDecoder:
+        if not plain:
+            return self.spec
+        if self.plain is None:
+            self.plain = self.spec.plain()
+        return self.plain
+
+
+@dataclass
+class _Running:
+    stream: JobStream
+    slot: _Slot
+    rounds: Iterator[RoundEvent]
+    tokens: int = 0
+
+
+def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
+    """A decoder over the same weights with caches of its own, or None if some part of it
+    cannot be duplicated (then the server runs one request at a time)."""
+    target = decoder.target
+    if not hasattr(target, "fresh"):
+        return None
+    new_target = target.fresh()
+    drafters: list[Any] = []
+    for d in decoder.drafters:
+        if isinstance(d, ModelDrafter) and hasattr(d.lm, "fresh"):
+            drafters.append(ModelDrafter(d.lm.fresh(), d.name))
+        elif isinstance(d, LayerSkipDrafter):
+            drafters.append(LayerSkipDrafter(new_target, d.layers))
+        elif isinstance(d, NgramDrafter | RetrievalDrafter):
+            drafters.append(d)  # stateless between calls
+        else:
+            return None
+    return SpeculativeDecoder(new_target, drafters, tokenizer=decoder.tokenizer, policy=copy.deepcopy(decoder.policy),
+                              multi=decoder.multi, eos_token_ids=decoder.eos_token_ids)
+
+
+class Scheduler:
+    def __init__(self, decoder: SpeculativeDecoder, metrics: ServerMetrics, max_batch: int = 8,
+                 max_queue: int = 256) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.decoder, self.metrics = decoder, metrics
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.default_k = getattr(decoder.policy, "k", None)
+        self._slots: list[_Slot] = []
+        self._free: list[_Slot] = []
+        self._pending: deque[JobStream] = deque()
+        self._running: list[_Running] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ----------------------------------------------------------------- client side
+    def submit(self, job: Job) -> JobStream:
+        """Queue a job (call from the event loop); raises QueueFull when the queue is full."""
+        stream = JobStream(self, job)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting, {len(self._running)} "
+                                "running): retry later")
+            self._pending.append(stream)
+            self.metrics.queue_depth.set(len(self._pending))
+            self._ensure_thread()
+            self._cond.notify()
+        return stream
+
+    def cancel(self, stream: JobStream, why: str = "cancelled") -> None:
+        """Queued: removed at once. Running: stopped before its next round."""
+        with self._cond:
+            if stream.cancelled:
+                return
+            stream.cancelled = why
+            queued = stream in self._pending
+            if queued:
+                self._pending.remove(stream)
+                self.metrics.queue_depth.set(len(self._pending))
+            self._cond.notify()
+        if why == "disconnect":
+            self.metrics.disconnects.labels("queued" if queued else "running").inc()
+            log.info("client disconnected from request %s while %s", stream.job.id, "queued" if queued else "running")
+        if queued:
+            self._end(stream, End("cancelled", f"cancelled ({why}) while queued"))
+
+    def depth(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._pending), len(self._running)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    # ----------------------------------------------------------------- the thread
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._pending or self._running):
+                        self._cond.wait(timeout=1.0)
+                    if self._stopping:
+                        break
+                    admitted = self._admit()
+                for run in admitted:
+                    self._begin(run)
+                for run in list(self._running):
+                    self._run_round(run)
+        except BaseException:  # a bug here must not leave clients waiting forever
+            log.exception("the scheduler failed")
+            raise
+        finally:
+            self._shutdown()
+
+    def _admit(self) -> list[_Running]:
+        """Move queued jobs into free slots (with the lock held); drop expired ones."""
+        now, admitted = time.monotonic(), []
+        for stream in list(self._pending):
+            if stream.deadline is not None and now > stream.deadline:
+                self._pending.remove(stream)
+                self._end(stream, End("deadline", "the request timed out in the queue", 503))
+        while self._pending and len(self._running) < self.max_batch:
+            slot = self._take_slot()
+            if slot is None:
+                break
+            stream = self._pending.popleft()
+            run = _Running(stream, slot, iter(()))
+            self._running.append(run)
+            admitted.append(run)
+        self.metrics.queue_depth.set(len(self._pending))
+        self.metrics.batch_size.set(len(self._running))
+        return admitted
+
+    def _take_slot(self) -> _Slot | None:
+        if self._free:
+            return self._free.pop()
+        if not self._slots:
+            slot = _Slot(self.decoder)
+        elif len(self._slots) < self.max_batch and (clone := clone_decoder(self.decoder)) is not None:
+            slot = _Slot(clone)
+        else:
+            return None
+        self._slots.append(slot)
+        return slot
+
+    def _begin(self, run: _Running) -> None:
+        job, stream = run.stream.job, run.stream
+        stream.started = time.monotonic()
+        self.metrics.queue_wait.observe(stream.started - stream.arrived)
+        decoder = run.slot.decoder(job.plain)
+        k = None if job.plain else (job.draft_tokens or self.default_k)
+        run.rounds = decoder.stream(job.ids, max_new_tokens=job.max_tokens, temperature=job.temperature,
+                                    top_k=job.top_k, top_p=job.top_p, seed=job.seed, draft_tokens=k,
+                                    stop=job.stop or None)
+
+    def _run_round(self, run: _Running) -> None:
+        stream, now = run.stream, time.monotonic()
+        if stream.cancelled:
+            return self._finish(run, End("cancelled", stream.cancelled))
+        if stream.deadline is not None and now > stream.deadline:
+            return self._finish(run, End("deadline", "the request's deadline passed"))
+        try:
+            event = next(run.rounds)
+        except StopIteration:
+            return self._finish(run, End("done"))
+        except (SpecdecError, ValueError) as e:
+            return self._finish(run, End("error", str(e), 400))
+        except Exception as e:
+            log.exception("request %s failed", stream.job.id)
+            return self._finish(run, End("error", f"generation failed: {type(e).__name__}: {e}", 500))
+        self.metrics.round(event)
+        run.tokens += len(event.committed)
+        if stream.first_token is None and event.committed:
+            stream.first_token = time.monotonic()
+            self.metrics.ttft.observe(stream.first_token - stream.arrived)
+        stream.post(self._round_item(run, event))
+        if event.finish_reason is not None:
+            self._finish(run, End("done"))
+
+    def _round_item(self, run: _Running, event: RoundEvent) -> Round:
+        tok = self.decoder.tokenizer
+        if not run.stream.job.details or tok is None:
+            return Round(event, [], "")
+        return Round(event, [tok.decode([t]) for t in event.drafted], tok.decode([event.next_token]))
+
+    def _finish(self, run: _Running, end: End) -> None:
+        getattr(run.rounds, "close", lambda: None)()
+        with self._cond:
+            self._running.remove(run)
+            self._free.append(run.slot)
+            self.metrics.batch_size.set(len(self._running))
+        self._end(run.stream, end)
+
+    def _end(self, stream: JobStream, end: End) -> None:
+        outcome = "disconnected" if stream.cancelled == "disconnect" else end.reason
+        self.metrics.requests.labels(stream.job.endpoint, outcome).inc()
+        if end.reason == "done":
+            self.metrics.latency.observe(time.monotonic() - stream.arrived)
+        stream.post(end)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            left = [r.stream for r in self._running] + list(self._pending)
+            self._running.clear()
+            self._pending.clear()
+        for stream in left:
+            self._end(stream, End("shutdown", "the server is shutting down", 503))

@@ -63,21 +63,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     decoder = _load(args)
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    if args.chat:  # the prompt is the user's message, formatted with the model's chat template
+        settings["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        settings["prompt"] = args.prompt
+    plain = decoder.plain() if args.compare else None
+    if plain is not None:  # warm both sides up (first-call allocations, kernels), so the timed runs are fair
+        warm = {**settings, "max_new_tokens": min(8, args.max_new_tokens)}
+        decoder.generate(**warm)
+        plain.generate(**warm)
     if args.json:
-        out = decoder.generate(args.prompt, **settings)
+        out = decoder.generate(**settings)
         d = out.to_dict()
-        s = d["stats"]
-        s["wall_s"] = s["wall_s"]
-        if args.compare:
-            d["plain"] = decoder.plain().generate(args.prompt, **settings).to_dict()
+        if plain is not None:
+            d["plain"] = plain.generate(**settings).to_dict()
         print(json.dumps(d))
         return 0
     err = Console(stderr=True)
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(args.prompt + ("\n" if args.chat else ""))
     events = []
-    for event in decoder.stream(args.prompt, **settings):
+    for event in decoder.stream(**settings):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         events.append(event)
@@ -88,12 +95,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     title = "plain decoding" if not decoder.drafters else \
         f"speculative decoding ({', '.join(d.name for d in decoder.drafters)}, policy {args.policy})"
     err.print(_stats_table(stats, title))
-    if args.compare:
-        plain = decoder.plain().generate(args.prompt, **settings)
-        err.print(f"plain decoding: {plain.stats.wall_s:.3f}s for {plain.stats.new_tokens} tokens; "
-                  f"speedup {plain.stats.wall_s / stats.wall_s:.2f}x"
-                  + (" (identical tokens)" if args.temperature == 0 and plain.token_ids == [
-                      t for e in events for t in e.committed] else ""))
+    if plain is not None:
+        base = plain.generate(**settings)
+        same = args.temperature == 0 and base.token_ids == [t for e in events for t in e.committed]
+        err.print(f"plain decoding: {base.stats.wall_s:.3f}s for {base.stats.new_tokens} tokens; "
+                  f"speculative: {stats.wall_s:.3f}s for {stats.new_tokens}; "
+                  f"speedup {base.stats.wall_s / stats.wall_s * stats.new_tokens / max(base.stats.new_tokens, 1):.2f}x"
+                  + (" (identical tokens)" if same else ""))
     if args.timeline:
         from specdec.viz import plot_timeline
 
@@ -205,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
-    g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain decoding (both warmed up first) and print the speedup")
+    g.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message in the model's chat template (instruct models)")
     g.add_argument("--timeline", default=None, help="write a picture of every round to this PNG")
     g.set_defaults(func=cmd_generate)
 

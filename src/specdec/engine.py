@@ -57,10 +57,42 @@ class _Request:
     finish_reason: str | None = None
     stop_at: int | None = None  # character where a stop string begins
     text_sent: int = 0  # characters of text already released to the stream
+    hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
 
     @property
     def generated(self) -> list[int]:
         return self.context[self.n_prompt :]
+
+
+def _check_text(text: str, what: str) -> None:
+    """Text a tokenizer can encode: no lone UTF-16 surrogates (they have no UTF-8 form)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode text: fix the encoding of the input") from None
+
+
+def _check_ids(prompt: Any) -> list[int]:
+    """A flat sequence of integer token ids: a list, or a 1-D integer tensor or array."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError("a prompt is text or a sequence of token ids, not bytes")
+    shape = getattr(prompt, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"token ids must be a 1-D sequence, got shape {tuple(shape)}: pass one prompt's ids")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got a {prompt.dtype} tensor")
+        return [int(t) for t in prompt.tolist()]
+    dtype = getattr(prompt, "dtype", None)
+    if dtype is not None and getattr(dtype, "kind", "i") not in "iu":
+        raise ValueError(f"token ids must be integers, got an array of {dtype}")
+    ids: list[int] = []
+    for t in prompt:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise ValueError(f"token ids must be integers, got {type(t).__name__} {t!r}")
+        ids.append(int(t.__index__()))
+    return ids
 
 
 class SpeculativeDecoder:
@@ -90,6 +122,12 @@ class SpeculativeDecoder:
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
         self._recent = {d.name: 1.0 for d in self.drafters}  # running tokens/round, for multi="best"
+        self._feature_readers = [d for d in self.drafters if d.reads_features]
+        if self._feature_readers and not target.offers_hidden:
+            raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
+                             f"'{self._feature_readers[0].name}' drafts from")
+        if self._feature_readers and multi == "tree" and len(self.drafters) > 1:
+            raise ValueError("a feature prophet combines with other prophets only with multi='best' (--multi best)")
 
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:
@@ -97,19 +135,25 @@ class SpeculativeDecoder:
         target = self.target.fresh() if hasattr(self.target, "fresh") else self.target
         return SpeculativeDecoder(target, None, self.tokenizer, Policy(1), eos_token_ids=self.eos_token_ids)
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
-                 draft_tokens: int | None = None, stop: str | Sequence[str] | None = None) -> Generation:
+                 draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+                 messages: Sequence[dict[str, str]] | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
+        prompt = self._chat_or_prompt(prompt, messages)
         req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
         events = list(self._rounds(req, release_text=False))
         return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
                           req.finish_reason or "length", events, summarize(events))
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+    def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
-               draft_tokens: int | None = None, stop: str | Sequence[str] | None = None) -> Iterator[RoundEvent]:
-        """Yield one event per round; each carries the text it releases (`event.text`)."""
+               draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+               messages: Sequence[dict[str, str]] | None = None) -> Iterator[RoundEvent]:
+        """Yield one event per round; each carries the text it releases (`event.text`).
+        `messages` ([{"role": ..., "content": ...}], instead of a prompt) is formatted with the
+        tokenizer's chat template; the template's end token ends the answer."""
+        prompt = self._chat_or_prompt(prompt, messages)
         req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
         yield from self._rounds(req, release_text=True)
 
@@ -146,15 +190,39 @@ class SpeculativeDecoder:
         self.target.truncate(0)
         return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter())
 
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: pass a plain prompt instead of messages")
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
+        for m in messages:
+            _check_text(m["content"], "a message")
+        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    def _chat_or_prompt(self, prompt: str | Sequence[int] | None,
+                        messages: Sequence[dict[str, str]] | None) -> str | Sequence[int]:
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("pass either a prompt or messages, not both")
+            return self.chat_ids(messages)
+        if prompt is None:
+            raise ValueError("a prompt (text or token ids) or messages is needed")
+        return prompt
+
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            _check_text(prompt, "the prompt")
             ids = list(self.tokenizer(prompt)["input_ids"])
         else:
-            ids = [int(t) for t in prompt]
+            ids = _check_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.target.vocab_size:
@@ -195,7 +263,10 @@ class SpeculativeDecoder:
     def _score(self, req: _Request, drafted: list[int]) -> torch.Tensor:
         """p_1..p_{K+1}: (K+1, V), from one target forward pass."""
         feed = sync(self.target, req.context)
-        logits = self.target.forward(feed + drafted, len(drafted) + 1)
+        if self._feature_readers:  # the same pass also yields the features those prophets draft from
+            logits, req.hidden = self.target.forward_features(feed + drafted, len(drafted) + 1)
+        else:
+            logits = self.target.forward(feed + drafted, len(drafted) + 1)
         return logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
 
     def _verify_chain(self, req: _Request, draft: Draft | None, k: int, start: float, index: int) -> RoundEvent:
@@ -256,6 +327,12 @@ class SpeculativeDecoder:
         sync(self.target, req.context)
         for d in self.drafters:
             d.committed(req.context)
+        if req.hidden is not None and len(event.committed) == event.accepted + 1:
+            # The next token was sampled from the target's head at the position of the last
+            # accepted token: its feature, with that token, is where feature prophets start.
+            for d in self._feature_readers:
+                d.see_feature(len(req.context) - 2, req.hidden[event.accepted])
+        req.hidden = None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -32,6 +32,7 @@ def supports(model: Any) -> bool:
 
 class FastLlamaLM:
     INITIAL_CAPACITY = 256  # KV positions allocated up front
+    offers_hidden = True  # forward_features: logits and the last hidden states
 
     def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
         if not supports(model):
@@ -50,7 +51,7 @@ class FastLlamaLM:
             self.embed = inner.embed_tokens.weight
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.final_norm = inner.norm.weight
-            self.head = model.lm_head.weight[: self.vocab_size]
+            self.lm_head = model.lm_head.weight[: self.vocab_size]
             positions = torch.arange(self.max_length, dtype=torch.float)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -63,6 +64,7 @@ class FastLlamaLM:
         self._reserve(self.INITIAL_CAPACITY)
         self.tokens: list[int] = []
         self.forward_calls = 0
+        self.last_hidden = torch.zeros(0)
 
     @property
     def capacity(self) -> int:
@@ -141,7 +143,8 @@ class FastLlamaLM:
             gate, up = (self._norm(x, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ w["down"].T
         self.forward_calls += 1
-        return (self._norm(x[-n_logits:], self.final_norm) @ self.head.T).float()
+        self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
+        return (self.last_hidden @ self.lm_head.T).float()
 
     @staticmethod
     def _causal(n: int, start: int) -> torch.Tensor | None:
@@ -155,6 +158,18 @@ class FastLlamaLM:
         logits = self._run(new_ids, torch.arange(start, start + n), self._causal(n, start), n_logits)
         self.tokens.extend(new_ids)
         return logits
+
+    def embeddings(self) -> torch.Tensor:
+        return self.embed
+
+    def head(self) -> torch.Tensor:
+        return self.lm_head
+
+    @torch.inference_mode()
+    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `forward`, also returning the last hidden states (n_logits, D), after the final norm."""
+        logits = self.forward(new_ids, n_logits)
+        return logits, self.last_hidden.float()
 
     @torch.inference_mode()
     def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:

@@ -41,6 +41,16 @@ class CausalLM(Protocol):
 
     def truncate(self, n: int) -> None: ...
 
+    offers_hidden: bool  # whether forward_features, embeddings and head are available (feature prophets)
+
+    def embeddings(self) -> torch.Tensor: ...  # (V, D) input embedding matrix
+
+    def head(self) -> torch.Tensor: ...  # (V, D) output head; logits = hidden @ head.T
+
+    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the last hidden states (n_logits, D), after the final norm."""
+        ...
+
     def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None: ...
 
 
@@ -86,6 +96,8 @@ def tree_layout(start: int, n_new: int, tree_parents: Sequence[int]) -> tuple[to
 class HFCausalLM:
     """A Hugging Face causal LM with a `DynamicCache`, batch size 1."""
 
+    offers_hidden = True  # its .model.model is the decoder stack, its lm_head the head
+
     def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
         from transformers import DynamicCache
 
@@ -117,6 +129,25 @@ class HFCausalLM:
         self.tokens.extend(new_ids)
         self.forward_calls += 1
         return out.logits[0, -n_logits:, : self.vocab_size].float()
+
+    def embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach()
+
+    def head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()[: self.vocab_size]
+
+    @torch.inference_mode()
+    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the last hidden states (n_logits, D), after the final norm."""
+        start = len(self.tokens)
+        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
+        out = self.model.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True)
+        hidden = out.last_hidden_state[0, -n_logits:]
+        logits = self.model.lm_head(hidden)
+        self.tokens.extend(new_ids)
+        self.forward_calls += 1
+        return logits[:, : self.vocab_size].float(), hidden.float()
 
     @torch.inference_mode()
     def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],

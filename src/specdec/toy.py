@@ -17,6 +17,9 @@ from specdec.sampling import SamplingParams, logits_to_probs
 
 
 class MarkovLM:
+    offers_hidden = True
+    FEATURE_DIM = 8
+
     def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20) -> None:
         """table (V,)*order + (V,): logits of the next token given the last `order` tokens."""
         self.table = table.float()
@@ -48,6 +51,26 @@ class MarkovLM:
         self.forward_calls += 1
         rows = [self.logits_after(self.tokens[: i + 1]) for i in range(start, len(self.tokens))]
         return torch.stack(rows[-n_logits:])
+
+    def feature_after(self, context: Sequence[int]) -> torch.Tensor:
+        """(FEATURE_DIM,) a fixed pseudo-random feature of the last `order` tokens, so that
+        feature prophets can run on toy models (their q is arbitrary; exactness is not)."""
+        hist = [0] * max(0, self.order - len(context)) + list(context[-self.order :])
+        g = torch.Generator().manual_seed(1 + sum(t * (self.vocab_size + 1) ** i for i, t in enumerate(hist)))
+        return torch.randn(self.FEATURE_DIM, generator=g)
+
+    def embeddings(self) -> torch.Tensor:
+        """(V, FEATURE_DIM) fixed pseudo-random embeddings (for feature prophets on toy models)."""
+        return torch.randn(self.vocab_size, self.FEATURE_DIM, generator=torch.Generator().manual_seed(7))
+
+    def head(self) -> torch.Tensor:
+        return torch.randn(self.vocab_size, self.FEATURE_DIM, generator=torch.Generator().manual_seed(8))
+
+    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = len(self.tokens)
+        logits = self.forward(new_ids, n_logits)
+        rows = [self.feature_after(self.tokens[: i + 1]) for i in range(start, len(self.tokens))]
+        return logits, torch.stack(rows[-n_logits:])
 
     def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
                      tree_parents: Sequence[int]) -> torch.Tensor:

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.feature import FeatureDrafter, is_feature_prophet, load_head
 from specdec.drafters.layerskip import LayerSkipDrafter, choose_layers
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
 from specdec.lm import load_pretrained, shared_vocab_size
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "RetrievalDrafter", "LayerSkipDrafter",
+__all__ = ["Draft", "Drafter", "FeatureDrafter", "ModelDrafter", "NgramDrafter", "RetrievalDrafter", "LayerSkipDrafter",
            "build_drafters"]
 
 
@@ -42,6 +43,18 @@ def _datastore(tokenizer: Any, path: str | None) -> Datastore:
     if default.exists():
         return Datastore.load(default)
     return build_default_datastore(tokenizer, default)
+
+
+def _feature_drafter(path: str, target: Any, dtype: torch.dtype) -> FeatureDrafter:
+    """A feature prophet (models/smollm2-eagle, ...), handed the target's embeddings and head."""
+    head, vocab_ids, cfg = load_head(Path(path))
+    if not target.offers_hidden:
+        raise ValueError(f"feature prophet '{path}' needs a target that exposes its hidden states")
+    embed, lm_head = target.embeddings(), target.head()
+    if embed.shape[1] != head.dim or lm_head.shape[0] != cfg.get("vocab_size", lm_head.shape[0]):
+        raise ValueError(f"feature prophet '{path}' was trained for a target with hidden size {head.dim} and "
+                         f"{cfg.get('vocab_size')} ids; '{target.name}' has {embed.shape[1]} and {lm_head.shape[0]}")
+    return FeatureDrafter(head, embed, lm_head, vocab_ids, target.vocab_size, name=_short(path), dtype=dtype)
 
 
 def _model_drafter(name: str, target: Any, tokenizer: Any, dtype: torch.dtype,
@@ -76,6 +89,8 @@ def build_drafters(spec: str, target: Any, tokenizer: Any, dtype: torch.dtype = 
             drafters.append(RetrievalDrafter(_datastore(tokenizer, retrieval_index)))
         elif part.startswith("layerskip"):
             drafters.append(LayerSkipDrafter(target, _layers(part, target, tokenizer)))
+        elif is_feature_prophet(part):
+            drafters.append(_feature_drafter(part, target, dtype))
         else:
             drafters.append(_model_drafter(part, target, tokenizer, dtype, trust_remote_code, backend))
     names = [d.name for d in drafters]

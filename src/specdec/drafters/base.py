@@ -32,6 +32,11 @@ class Draft:
 class Drafter(Protocol):
     name: str
     vocab_size: int | None  # None for drafters that are not models
+    reads_features: bool  # True: the engine calls see_feature(position, hidden) after each round
+
+    def see_feature(self, position: int, feature: torch.Tensor) -> None:
+        """The target's last hidden state (D,) at context[position]."""
+        ...
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
@@ -45,6 +50,15 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget per-request state (caches, the prompt index)."""
         ...
+
+
+class FeatureBlind:
+    """For drafters that do not read the target's features."""
+
+    reads_features = False
+
+    def see_feature(self, position: int, feature: torch.Tensor) -> None:
+        pass
 
 
 def span() -> float:

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Draft, KeepDrafting, draft_autoregressively
+from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
 from specdec.lm import sync
 from specdec.sampling import SamplingParams
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(FeatureBlind):
     def __init__(self, target: Any, layers: int) -> None:
         full = target.model.config.num_hidden_layers
         if not 1 <= layers < full:

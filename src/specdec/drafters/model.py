@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters.base import Draft, KeepDrafting, draft_autoregressively
+from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
 from specdec.lm import CausalLM, sync
 from specdec.sampling import SamplingParams
 
 
-class ModelDrafter:
+class ModelDrafter(FeatureBlind):
     def __init__(self, lm: CausalLM, name: str | None = None) -> None:
         self.lm = lm
         self.name = name or lm.name

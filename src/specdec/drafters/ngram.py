@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, span
 from specdec.sampling import SamplingParams
 
 
@@ -27,7 +27,7 @@ def lookup(context: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(FeatureBlind):
     vocab_size: int | None = None
 
     def __init__(self, n_max: int = 4, n_min: int = 1, name: str = "ngram") -> None:

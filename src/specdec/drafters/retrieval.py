@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, span
 from specdec.sampling import SamplingParams
 
 WIDTH = 8  # tokens the suffix array is sorted by; longer matches are not distinguished
@@ -102,7 +102,7 @@ class Datastore:
         return int(values[best]), int(counts[best])
 
 
-class RetrievalDrafter:
+class RetrievalDrafter(FeatureBlind):
     vocab_size: int | None = None
 
     def __init__(self, store: Datastore, min_match: int = 2, min_count: int = 1, name: str = "retrieval") -> None:

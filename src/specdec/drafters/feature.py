@@ -1,0 +1,173 @@
+"""Prophets over the target's own features (its last hidden state, after the final norm).
+
+The verification pass already computes the target's hidden state h_t at every scored
+position, and the target's head turns h_t into p(x_{t+1}). A feature prophet reuses it:
+- `eagle` (autoregressive over features, after EAGLE): a small network maps
+  (h_t, embedding of x_{t+1}) to a guess of h_{t+1}; the target's head turns the guess into
+  q(x_{t+2}); the drafted token is fed back with the guessed feature, K times.
+- `medusa` (non-autoregressive, after Medusa): head k maps h_t alone to a guess of
+  h_{t+k}; all K tokens are drafted at once.
+The networks are residual MLPs; the embedding and the head are the target's own, handed
+in at construction (nothing is copied into the prophet's file).
+
+Reduced draft vocabulary: the head is cut to the N token ids most frequent in the
+target's answers, and q is 0 everywhere else. That stays exact: the verifier accepts a
+drafted token x with probability min(1, p(x)/q(x)) and on rejection samples from
+norm(max(0, p - q)), which is p itself outside the N ids; a token q cannot propose is
+simply recovered from p. Only the acceptance rate depends on N.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.sampling import SamplingParams, logits_to_probs, sample
+
+
+class ResidualMLP(nn.Module):
+    """x + W2 silu(W1 [x; extra])."""
+
+    def __init__(self, dim: int, extra: int, rank: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim + extra, rank, bias=False)
+        self.down = nn.Linear(rank, dim, bias=False)
+        nn.init.zeros_(self.down.weight)  # starts as the identity: a guess of "the same feature"
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        inp = x if extra is None else torch.cat([x, extra], dim=-1)
+        return x + self.down(torch.nn.functional.silu(self.up(inp)))
+
+
+class FeatureHead(nn.Module):
+    """The trainable part of a feature prophet. kind "eagle": blocks[0] reads (h, e), the
+    rest read h; kind "medusa": heads[k] maps h to the feature k+1 steps ahead."""
+
+    def __init__(self, kind: str, dim: int, rank: int, depth: int = 2, n_heads: int = 4) -> None:
+        super().__init__()
+        if kind not in ("eagle", "medusa"):
+            raise ValueError(f"feature prophet kind must be eagle or medusa, got {kind!r}")
+        self.kind, self.dim, self.rank, self.depth, self.n_heads = kind, dim, rank, depth, n_heads
+        if kind == "eagle":
+            self.blocks = nn.ModuleList([ResidualMLP(dim, dim if i == 0 else 0, rank) for i in range(depth)])
+        else:
+            self.blocks = nn.ModuleList([ResidualMLP(dim, 0, rank) for _ in range(n_heads)])
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dim": self.dim, "rank": self.rank, "depth": self.depth, "n_heads": self.n_heads}
+
+    def step(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """eagle: the next feature from the feature h (..., D) and the next token's embedding e."""
+        x = self.blocks[0](h, e)
+        for block in self.blocks[1:]:
+            x = block(x)
+        return x
+
+    def ahead(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """medusa: the feature k >= 1 steps after h."""
+        return self.blocks[k - 1](h)
+
+
+def save_head(head: FeatureHead, vocab_ids: torch.Tensor, out: Path, info: dict[str, Any]) -> None:
+    """Weights as int8 with one scale per output row (a quarter of fp32's bytes), the draft
+    vocabulary, and the config; loadable with `load_head`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {"vocab_ids": vocab_ids.to(torch.int32).contiguous()}
+    for name, w in head.state_dict().items():
+        w = w.float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        tensors[name + ".int8"] = (w / scale).round().clamp(-127, 127).to(torch.int8).contiguous()
+        tensors[name + ".scale"] = scale.to(torch.float32).contiguous()
+    save_file(tensors, str(out / "prophet.safetensors"))
+    (out / "prophet.json").write_text(json.dumps({**head.config(), **info}, indent=2) + "\n")
+
+
+def load_head(path: Path) -> tuple[FeatureHead, torch.Tensor, dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "prophet.json").read_text())
+    tensors = load_file(str(path / "prophet.safetensors"))
+    head = FeatureHead(cfg["kind"], cfg["dim"], cfg["rank"], cfg.get("depth", 2), cfg.get("n_heads", 4))
+    state = {name[: -len(".int8")]: tensors[name].float() * tensors[name[: -len(".int8")] + ".scale"]
+             for name in tensors if name.endswith(".int8")}
+    head.load_state_dict(state)
+    return head.eval(), tensors["vocab_ids"].long(), cfg
+
+
+def is_feature_prophet(path: str) -> bool:
+    return (Path(path) / "prophet.json").is_file()
+
+
+class FeatureDrafter:
+    """Drafts from the target's last feature. The engine hands it the feature of the
+    position before the last committed token after each round (`see_feature`); with no
+    fresh feature (the first round, or after text was cut by a stop string) it proposes
+    nothing, and that round is a plain target step that yields one."""
+
+    reads_features = True
+
+    def __init__(self, head: FeatureHead, embed: torch.Tensor, lm_head: torch.Tensor, vocab_ids: torch.Tensor,
+                 vocab_size: int, name: str = "feature", dtype: torch.dtype = torch.float32) -> None:
+        self.head = head.to(dtype).eval()
+        self.name = name
+        self.vocab_size: int | None = vocab_size
+        self.embed = embed  # (V, D) the target's, shared
+        self.vocab_ids = vocab_ids  # (N,) the draft vocabulary
+        self.sub_head = lm_head[vocab_ids].to(dtype).contiguous()  # (N, D)
+        self.dtype = dtype
+        self._feature: torch.Tensor | None = None
+        self._position = -1
+
+    def see_feature(self, position: int, feature: torch.Tensor) -> None:
+        """feature (D,): the target's hidden state at context[position] (whose head gave
+        the distribution of context[position + 1])."""
+        self._position, self._feature = position, feature
+
+    def _q(self, h: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the full vocabulary, -inf outside the draft vocabulary; q)."""
+        sub = (h.to(self.dtype) @ self.sub_head.T).float()
+        logits = torch.full((self.vocab_size or 0,), float("-inf"))
+        logits[self.vocab_ids] = sub
+        return logits, logits_to_probs(logits, params, who=f"drafter '{self.name}'")
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
+        draft = Draft([], None, self.name)
+        if self._feature is None or self._position != len(context) - 2 or k < 1:
+            return draft
+        h = self._feature.to(self.dtype)
+        token = context[-1]
+        rows = []
+        k = min(k, self.head.n_heads) if self.head.kind == "medusa" else k
+        for step in range(1, k + 1):
+            t0 = span()
+            if self.head.kind == "eagle":
+                h = self.head.step(h, self.embed[token].to(self.dtype))
+                guess = h
+            else:
+                guess = self.head.ahead(self._feature.to(self.dtype), step)
+            logits, q = self._q(guess, params)
+            token = int(q.argmax()) if params.greedy else int(sample(q, generator))
+            draft.step_spans.append((t0, span()))
+            draft.tokens.append(token)
+            rows.append(q)
+            draft.forward_calls += 1
+            if keep_drafting is not None and not keep_drafting(torch.softmax(logits, -1) if params.greedy else q):
+                break
+        draft.probs = torch.stack(rows) if rows else None
+        return draft
+
+    def committed(self, context: Sequence[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        self._feature, self._position = None, -1

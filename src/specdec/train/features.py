@@ -1,0 +1,207 @@
+"""Training feature prophets (specdec.drafters.feature) on self-distillation shards.
+
+The data are the target's own answers with its hidden state at every position
+(specdec.train.selfdistill). A training example starts at an answer position t and
+unrolls U steps:
+- eagle:  g_0 = h_t, g_j = step(g_{j-1}, embed(x_{t+j})), compared with h_{t+j};
+- medusa: g_j = ahead(h_t, j), compared with h_{t+j}.
+The loss is the cross-entropy of the prophet's draft distribution (the target's head on
+g_j, cut to the draft vocabulary) against the target's own distribution there (the head
+on h_{t+j}), plus a small regression of g_j onto h_{t+j}. Sequences are split into
+training and held-out ones; the held-out agreement (argmax of q == argmax of p over the
+full vocabulary, at each step) is what the model card reports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.feature import FeatureHead, save_head
+
+
+@dataclass
+class FeatureData:
+    hidden: torch.Tensor  # (T, D) bf16, every position of every sequence, concatenated
+    next_ids: torch.Tensor  # (T,) the token after each position
+    starts_train: torch.Tensor  # answer positions with `unroll` positions after them in the same sequence
+    starts_heldout: torch.Tensor
+    answer_counts: torch.Tensor  # (V,) how often each token occurs in the answers
+    n_answer_tokens: int
+    p_ids: torch.Tensor | None = None  # (T, k) the target's k most probable next tokens at each position
+    p_probs: torch.Tensor | None = None  # (T, k) their probabilities
+
+    @torch.no_grad()
+    def add_targets(self, lm_head: torch.Tensor, k: int = 16, chunk: int = 4096) -> None:
+        """The target's top-k next-token distribution at every position, computed once
+        from the stored features (the head over the full vocabulary, in bf16)."""
+        w = lm_head.to(torch.bfloat16)
+        ids, probs = [], []
+        for i in range(0, len(self.hidden), chunk):
+            logits = (self.hidden[i : i + chunk] @ w.T).float()
+            top = torch.softmax(logits, -1).topk(k, dim=-1)
+            ids.append(top.indices.to(torch.int32))
+            probs.append(top.values)
+        self.p_ids, self.p_probs = torch.cat(ids), torch.cat(probs)
+
+
+def load_shards(data_dir: Path, unroll: int, heldout_every: int = 20, vocab_size: int = 49152) -> FeatureData:
+    shards = sorted(data_dir.glob("shard-*.pt"))
+    if not shards:
+        raise FileNotFoundError(f"no self-distillation shards in {data_dir}: generate them first")
+    hidden: list[torch.Tensor] = []
+    nxt: list[torch.Tensor] = []
+    tr: list[torch.Tensor] = []
+    ho: list[torch.Tensor] = []
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    offset, seq_no, n_answer = 0, 0, 0
+    for path in shards:
+        shard = torch.load(path, weights_only=True)
+        for ids, h, p_len in zip(shard["ids"], shard["hidden"], shard["prompt_len"], strict=True):
+            ids_t = torch.tensor(ids, dtype=torch.long)
+            n = h.shape[0]  # = len(ids) - 1: positions with a token after them
+            hidden.append(h)
+            nxt.append(ids_t[1 : n + 1])
+            answer = ids_t[p_len:]
+            counts += torch.bincount(answer, minlength=vocab_size)[:vocab_size]
+            n_answer += len(answer)
+            first, last = p_len - 1, n - 1 - unroll  # h_{t+unroll} must exist
+            if last >= first:
+                starts = torch.arange(first, last + 1) + offset
+                (ho if seq_no % heldout_every == 0 else tr).append(starts)
+            offset += n
+            seq_no += 1
+    empty = torch.zeros(0, dtype=torch.long)
+    return FeatureData(torch.cat(hidden), torch.cat(nxt), torch.cat(tr) if tr else empty,
+                       torch.cat(ho) if ho else empty, counts, n_answer)
+
+
+def draft_vocabulary(counts: torch.Tensor, n: int, always: list[int]) -> torch.Tensor:
+    """The n ids most frequent in the target's answers (plus `always`, e.g. the end token), sorted."""
+    top = torch.argsort(counts, descending=True)[:n].tolist()
+    ids = sorted(set(top[: n - len(always)]) | set(always))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _unroll(head: FeatureHead, data: FeatureData, idx: torch.Tensor, embed: torch.Tensor,
+            unroll: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(guess g_j, true h_{t+j})] for j = 1..unroll."""
+    h = data.hidden[idx].float()
+    out = []
+    g = h
+    for j in range(1, unroll + 1):
+        true = data.hidden[idx + j].float()
+        if head.kind == "eagle":
+            g = head.step(g, embed[data.next_ids[idx + j - 1]].float())
+            out.append((g, true))
+        else:
+            out.append((head.ahead(h, j), true))
+    return out
+
+
+def _loss(pairs: list[tuple[torch.Tensor, torch.Tensor]], data: FeatureData, idx: torch.Tensor,
+          sub_head: torch.Tensor, position_of: torch.Tensor, reg_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy against the target's top-k distribution (mass outside the draft
+    vocabulary is dropped and the rest renormalised), plus feature regression."""
+    assert data.p_ids is not None and data.p_probs is not None
+    total = torch.zeros(())
+    agree = []
+    for j, (g, true) in enumerate(pairs, start=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            q_logits = (g @ sub_head.T).float()
+        pos = position_of[data.p_ids[idx + j].long()]  # (B, k) index in the draft vocabulary, or -1
+        p = data.p_probs[idx + j] * (pos >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+        logq = torch.log_softmax(q_logits, -1).gather(-1, pos.clamp(min=0))
+        total = total - (p * logq).sum(-1).mean() + reg_weight * F.smooth_l1_loss(g, true)
+        agree.append(float((q_logits.argmax(-1) == pos[:, 0]).float().mean()))
+    return total / len(pairs), agree
+
+
+@torch.no_grad()
+def heldout_agreement(head: FeatureHead, data: FeatureData, embed: torch.Tensor, lm_head: torch.Tensor,
+                      vocab_ids: torch.Tensor, unroll: int, limit: int = 4096) -> list[float]:
+    """Per step j: how often the prophet's greedy draft (argmax over the draft vocabulary)
+    equals the target's greedy token (argmax over the full vocabulary) on held-out answers,
+    when the prophet was given the true tokens before."""
+    idx = data.starts_heldout[:limit]
+    if len(idx) == 0:
+        return []
+    head.eval()
+    pairs = _unroll(head, data, idx, embed, unroll)
+    sub = lm_head[vocab_ids].float()
+    out = []
+    for g, true in pairs:
+        q_tok = vocab_ids[(g @ sub.T).argmax(-1)]
+        p_tok = (true @ lm_head.float().T).argmax(-1)  # the full vocabulary, in float32
+        out.append(float((q_tok == p_tok).float().mean()))
+    head.train()
+    return out
+
+
+def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch.Tensor, vocab_ids: torch.Tensor,
+               cfg: dict[str, Any], ckpt: Path, minutes: float, max_steps: int | None = None,
+               log: Any = print) -> tuple[FeatureHead, dict[str, Any]]:
+    """Train (resuming from ckpt if it exists) for `minutes` of wall time or max_steps."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    unroll = int(cfg["unroll"])
+    head = FeatureHead(kind, embed.shape[1], int(cfg["rank"]), int(cfg.get("depth", 2)), unroll)
+    opt = torch.optim.AdamW(head.parameters(), lr=float(cfg["lr"]), weight_decay=0.0)
+    step, elapsed = 0, 0.0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed = int(state["step"]), float(state["elapsed"])
+        log(f"{kind}: resumed at step {step} ({elapsed / 60:.1f} min done)")
+    sub_head = lm_head[vocab_ids].to(torch.bfloat16)
+    if data.p_ids is None:
+        log("computing the target's distributions at every position (once)")
+        data.add_targets(lm_head)
+    position_of = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+    position_of[vocab_ids] = torch.arange(len(vocab_ids))
+    g = torch.Generator().manual_seed(int(cfg.get("seed", 0)) + step)
+    budget = minutes * 60
+    batch = int(cfg["batch_size"])
+    lr_max = float(cfg["lr"])
+    est_steps = max(1, int(cfg.get("est_steps", 4000)))
+    t_start = time.perf_counter() - elapsed
+    agree: list[float] = []
+    with Progress(TextColumn(f"{kind} prophet"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn()) as bar:
+        task = bar.add_task("", total=budget, completed=int(elapsed), info="")
+        while (time.perf_counter() - t_start) < budget and (max_steps is None or step < max_steps):
+            lr = lr_max * 0.5 * (1 + math.cos(math.pi * min(1.0, step / est_steps)))
+            for group in opt.param_groups:
+                group["lr"] = max(lr, lr_max * 0.05)
+            idx = data.starts_train[torch.randint(len(data.starts_train), (batch,), generator=g)]
+            pairs = _unroll(head, data, idx, embed, unroll)
+            loss, agree = _loss(pairs, data, idx, sub_head, position_of, float(cfg.get("reg_weight", 0.1)))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            elapsed = time.perf_counter() - t_start
+            bar.update(task, completed=min(elapsed, budget),
+                       info=f"step {step} loss {loss.item():.3f} agree {' '.join(f'{a:.2f}' for a in agree)}")
+            if step % 200 == 0:
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed},
+                           ckpt)
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed}, ckpt)
+    held = heldout_agreement(head, data, embed, lm_head, vocab_ids, unroll)
+    log(f"{kind}: {step} steps in {elapsed / 60:.1f} min; held-out greedy agreement by step: "
+        + " ".join(f"{a:.3f}" for a in held))
+    return head, {"steps": step, "minutes": round(elapsed / 60, 1), "heldout_agreement": held,
+                  "train_agreement_last_batch": agree}
+
+
+def export(head: FeatureHead, vocab_ids: torch.Tensor, out: Path, info: dict[str, Any]) -> None:
+    save_head(head, vocab_ids, out, info)

@@ -1,0 +1,133 @@
+"""Self-distillation data: the target answers chat prompts made from local text, in batches.
+
+Every shard keeps, for each answered prompt, the token ids (prompt + answer) and the
+target's last hidden state (after its final norm) at every position, in bfloat16. That is
+all any prophet needs: the target's next-token distribution at a position is
+softmax(lm_head(h)), recomputed from the stored h, so no logits are stored.
+
+Shards are written one batch at a time (atomically), so an interrupted run resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.chatprompts import chat_prompts
+
+
+def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def answer_batch(model: Any, prompts: list[list[int]], max_new: int, eos: int, temperature: float,
+                 generator: torch.Generator) -> list[tuple[list[int], torch.Tensor]]:
+    """Answers sampled from the target (greedy at temperature 0) for a batch of prompts.
+    Returns per prompt (ids of prompt + answer, hidden states (len, D) in bf16)."""
+    from transformers import DynamicCache
+
+    b = len(prompts)
+    ids, mask = _left_pad(prompts, eos)
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    hidden = [out.last_hidden_state[i, mask[i].bool()].to(torch.bfloat16) for i in range(b)]
+    tokens = [list(p) for p in prompts]
+    last = out.last_hidden_state[:, -1]
+    done = torch.zeros(b, dtype=torch.bool)
+    steps_h: list[torch.Tensor] = []
+    steps_t: list[torch.Tensor] = []
+    next_pos = positions[:, -1] + 1
+    for _ in range(max_new):
+        logits = model.lm_head(last).float()
+        if temperature == 0:
+            tok = logits.argmax(-1)
+        else:
+            tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        steps_t.append(tok.clone())
+        done = done | (tok == eos)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+        out = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None], cache=cache,
+                          use_cache=True)
+        last = out.last_hidden_state[:, -1]
+        steps_h.append(last.to(torch.bfloat16))
+        next_pos = next_pos + 1
+    result = []
+    toks = torch.stack(steps_t, 1) if steps_t else torch.zeros(b, 0, dtype=torch.long)
+    hs = torch.stack(steps_h, 1) if steps_h else torch.zeros(b, 0, model.config.hidden_size, dtype=torch.bfloat16)
+    for i in range(b):
+        row = toks[i].tolist()
+        n = row.index(eos) + 1 if eos in row else len(row)  # the answer, its end token included
+        # hidden states exist for every fed token: the prompt and the answer except its last token
+        h = torch.cat([hidden[i], hs[i, : n - 1]]) if n > 1 else hidden[i]
+        result.append((tokens[i] + row[:n], h))
+    return result
+
+
+def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, max_new: int,
+                  temperatures: list[float], seed: int = 0, minutes: float | None = None,
+                  log: Any = print) -> Path:
+    """Answer `n_prompts` training prompts (all four categories) into shards under out_dir."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specdec.lm import load_pretrained
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_pretrained(target, torch.float32)
+    model.eval()
+    eos = int(tokenizer.eos_token_id)
+    prompts = chat_prompts(n_prompts // 4 + 1, heldout=False, seed=seed)[:n_prompts]
+    ids = []
+    for p in prompts:
+        enc = tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True)
+        ids.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch: less padding
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    # Batches of similar lengths, visited in a fixed random order: a run stopped by its time
+    # budget still holds every category (shard names keep the batch number, for resuming).
+    visit = list(range(len(batches)))
+    random.Random(seed).shuffle(visit)
+    deadline = time.monotonic() + minutes * 60 if minutes else None
+    generator = torch.Generator().manual_seed(seed)
+    with Progress(TextColumn("self-distillation data"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task("", total=len(batches), tok="")
+        tokens_done = 0
+        for done_batches, bi in enumerate(visit):
+            batch = batches[bi]
+            path = out_dir / f"shard-{bi:05d}.pt"
+            if path.exists():
+                bar.update(task, advance=1)
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"time budget reached after {done_batches} batches")
+                break
+            temperature = temperatures[bi % len(temperatures)]
+            t0 = time.perf_counter()
+            rows = answer_batch(model, [ids[i] for i in batch], max_new, eos, temperature, generator)
+            new = sum(len(r[0]) - len(ids[i]) for r, i in zip(rows, batch, strict=True))
+            tokens_done += new
+            shard = {"ids": [r[0] for r in rows], "hidden": [r[1] for r in rows],
+                     "prompt_len": [len(ids[i]) for i in batch], "category": [prompts[i].category for i in batch],
+                     "temperature": temperature}
+            tmp = path.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            os.replace(tmp, path)
+            bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s")
+    return out_dir

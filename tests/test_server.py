@@ -112,7 +112,7 @@ BAD = [  # (raw JSON body, status, words in the message, param)
     ('{"prompt": [1, 99999]}', 400, ["token ids"], "prompt"),
     ('{"prompt": "x", "specdec": {"draft_tokens": 9}}', 400, ["at most 8"], "specdec.draft_tokens"),
     ('{"prompt": "x", "specdec": {"draft": "ngram"}}', 400, ["'none'"], "specdec.draft"),
-    ('{"prompt": "x", "specdec": {"policy": "optimal"}}', 400, ["fixed"], "specdec.policy"),
+    ('{"prompt": "x", "specdec": {"policy": "no-such"}}', 400, ["runs policy"], "specdec.policy"),
     ('{"prompt": "x", "specdec": {"K": 3}}', 400, ["specdec.K"], "specdec.K"),
     ('{"prompt": "x", "stop": [""]}', 400, ["non-empty"], "stop"),
     ('{"prompt": "x", ', 400, ["JSON"], None),

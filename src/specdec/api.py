@@ -50,7 +50,7 @@ def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto") -> Any:
     return HFCausalLM(model, name, vocab_size)
 
 
-def load(target: str | None = None, draft: str | None = "default", policy: str = "fixed", draft_tokens: int = 4,
+def load(target: str | None = None, draft: str | None = "default", policy: str = "auto", draft_tokens: int = 4,
          multi: str = "tree", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
          retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None) -> SpeculativeDecoder:

@@ -16,8 +16,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="drafter(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
                         "with '+' (default: the bundled drafter)")
-    p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive", "confidence", "optimal"],
-                   help="draft-length policy")
+    p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
+                   help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="tree", choices=["tree", "best"],
                    help="several drafters: verify a token tree of all drafts, or use the best recent drafter")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")

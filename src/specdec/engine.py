@@ -23,7 +23,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
 from specdec.lm import CausalLM, sync
-from specdec.policy import Policy, RoundOutcome
+from specdec.policy import Costs, Policy, RoundOutcome
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stats import Stats, summarize
 from specdec.verify import DraftTree, verify_chain, verify_tree
@@ -176,8 +176,9 @@ class SpeculativeDecoder:
         if len(ids) >= self.target.max_length:
             raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
                                      f"{self.target.max_length} tokens: shorten the prompt")
-        if draft_tokens is not None:
-            self.policy.k = Policy(draft_tokens).k  # validates K >= 1
+        if self.policy.needs_costs and self.policy.costs is None and self.drafters:
+            self.policy.costs = self.calibrate()
+        self.policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -212,6 +213,52 @@ class SpeculativeDecoder:
         if prompt is None:
             raise ValueError("a prompt (text or token ids) or messages is needed")
         return prompt
+
+    def calibrate(self, n_context: int = 64, repeats: int = 3) -> Costs:
+        """Time, once, a plain target step and a round of K drafts (drafting, then verifying
+        K+1 tokens) on a neutral context; the auto policy decides from these costs."""
+        import statistics
+
+        k = self.policy.k0
+        n = max(2, min(n_context, self.target.max_length - (k + 2) * max(1, len(self.drafters)) - 2))
+        ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]
+        greedy, gen = SamplingParams(0.0), torch.Generator().manual_seed(0)
+        self.target.truncate(0)
+        for d in self.drafters:
+            d.reset()
+        self.target.forward(ctx, 1)  # prefill, and a warm-up
+
+        def timed(fn: Any) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+                self.target.truncate(n)
+            return statistics.median(times)
+
+        n_scored = 1 + k * len(self.drafters)  # a token tree of several drafts is scored in one pass
+        t_plain = timed(lambda: self.target.forward([ctx[-1]], 1))
+        t_verify = timed(lambda: self.target.forward([ctx[-1]] * n_scored, n_scored))
+        t_draft = 0.0
+        for d in self.drafters:
+            if d.reads_features:
+                _, hidden = self.target.forward_features([ctx[-1]], 1)
+                self.target.truncate(n)
+                d.see_feature(n - 1, hidden[0])
+            d.propose(ctx + [ctx[-1]], k, greedy, gen)  # warm-up (and a model drafter's prefill)
+            times = []
+            for _ in range(repeats):
+                if d.reads_features:
+                    d.see_feature(n - 1, hidden[0])
+                t0 = time.perf_counter()
+                d.propose(ctx + [ctx[-1]], k, greedy, gen)
+                times.append(time.perf_counter() - t0)
+            t_draft += statistics.median(times)
+        self.target.truncate(0)
+        for d in self.drafters:
+            d.reset()
+        return Costs(t_plain, t_draft + t_verify, k)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -1,5 +1,6 @@
 """How many tokens to draft next round.
 
+- auto:       K while speculation measurably pays, plain steps while it does not (default).
 - fixed:      always K.
 - adaptive:   grow K after a fully accepted round, shrink it after a rejection (the
               heuristic of transformers' assisted generation, bounded to [k_min, k_max]).
@@ -29,13 +30,40 @@ class RoundOutcome:
     draft_calls: int
 
 
+@dataclass
+class Costs:
+    """Measured once per decoder (SpeculativeDecoder.calibrate): seconds per plain target
+    step, per round of K drafted tokens (drafting + verifying K+1 tokens), and that K."""
+
+    t_plain: float
+    t_round: float
+    k: int
+
+    def round_time(self, k: int) -> float:
+        """A round of k drafts, scaled linearly from the measured one (drafting and the
+        extra verified tokens both grow with k)."""
+        return self.t_plain + (self.t_round - self.t_plain) * k / self.k
+
+
+def check_k(k: object) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"draft length K must be an integer >= 1, got {k!r}")
+    return k
+
+
 class Policy:
     name = "fixed"
+    needs_costs = False  # True: the decoder measures its costs once (calibrate) and sets .costs
+    costs: Costs | None = None
 
     def __init__(self, k: int = 5) -> None:
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"draft length K must be an integer >= 1, got {k!r}")
+        self.k0 = check_k(k)
         self.k = k
+
+    def reset(self, k: int | None = None) -> None:
+        """A new request: forget what earlier requests taught, start from K = k (or the
+        decoder's K). Nothing a request sets leaks into the next."""
+        self.k = check_k(k) if k is not None else self.k0
 
     def next_k(self) -> int:
         return self.k
@@ -92,6 +120,14 @@ class OptimalPolicy(Policy):
         super().__init__(k)
         self.k_max = k_max
         self.verify_slope = verify_slope  # extra target cost per extra scored token (measured ~0.05-0.08 on CPU)
+        self.prior_rounds = prior_rounds
+        self.reset()
+
+    def reset(self, k: int | None = None) -> None:
+        """Running estimates restart with each request. They include measured times, so a
+        seed does not fix this policy's output at temperature > 0 (greedy output is fixed)."""
+        super().reset(k)
+        prior_rounds = self.prior_rounds
         # Running sums, started from a mild prior (a = 0.7, c = 0.1) so the first rounds are sane.
         self.proposed, self.accepted = prior_rounds, 0.7 * prior_rounds
         self.draft_s_per_call, self.target_s = 0.1 * prior_rounds, prior_rounds
@@ -112,7 +148,58 @@ class OptimalPolicy(Policy):
                      key=lambda k: expected_gain(a, k, c, 1 + self.verify_slope * k))
 
 
+class AutoPolicy(Policy):
+    """The default: K drafted tokens while speculation pays, plain target steps while it
+    does not. After a few drafted rounds of a request it predicts the speedup from this
+    request's tokens per round and the costs measured once for the decoder
+    (tokens/round x t_plain / t_round(K)); below `break_even` it takes plain steps for a
+    pause that doubles each time (4 rounds up to 64), then drafts again. Its choices
+    depend only on acceptance and those fixed costs, so a seed fixes its output on a
+    given decoder; another process may measure slightly other costs."""
+
+    name = "auto"
+    needs_costs = True
+
+    def __init__(self, k: int = 4, min_rounds: int = 4, max_pause: int = 64, break_even: float = 1.0) -> None:
+        super().__init__(k)
+        self.min_rounds, self.max_pause, self.break_even = min_rounds, max_pause, break_even
+        self.costs: Costs | None = None
+        self.reset()
+
+    def reset(self, k: int | None = None) -> None:
+        super().reset(k)
+        self.pause, self.backoff = 0, 4
+        self.rounds, self.tokens = 0, 0
+        self.gains: list[float] = []  # the predictions made in this request (for stats and tests)
+
+    def next_k(self) -> int:
+        return 0 if self.pause > 0 else self.k
+
+    def predicted_gain(self) -> float | None:
+        if self.costs is None or self.rounds < self.min_rounds:
+            return None
+        return (self.tokens / self.rounds) * self.costs.t_plain / self.costs.round_time(self.k)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        if outcome.drafted == 0:
+            self.pause = max(0, self.pause - 1)
+            return
+        self.rounds += 1
+        self.tokens += outcome.accepted + 1
+        gain = self.predicted_gain()
+        if gain is None:
+            return
+        self.gains.append(gain)
+        if gain < self.break_even:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.max_pause)
+            self.rounds, self.tokens = 0, 0  # fresh evidence after the pause
+        else:
+            self.backoff = 4
+
+
 def make_policy(name: str, k: int) -> Policy:
+    if name == "auto":
+        return AutoPolicy(k)
     if name == "fixed":
         return Policy(k)
     if name == "adaptive":
@@ -121,8 +208,8 @@ def make_policy(name: str, k: int) -> Policy:
         return ConfidencePolicy(max(k, 8))
     if name == "optimal":
         return OptimalPolicy(k)
-    raise ValueError(f"unknown policy '{name}': choose fixed, adaptive, confidence or optimal")
+    raise ValueError(f"unknown policy '{name}': choose auto, fixed, adaptive, confidence or optimal")
 
 
-__all__ = ["Policy", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy", "RoundOutcome", "make_policy",
+__all__ = ["Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy", "RoundOutcome", "make_policy",
            "expected_gain"]

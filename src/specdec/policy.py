@@ -211,5 +211,5 @@ def make_policy(name: str, k: int) -> Policy:
     raise ValueError(f"unknown policy '{name}': choose auto, fixed, adaptive, confidence or optimal")
 
 
-__all__ = ["Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy", "RoundOutcome", "make_policy",
-           "expected_gain"]
+__all__ = ["Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy", "RoundOutcome",
+           "make_policy", "expected_gain"]

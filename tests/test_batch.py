@@ -58,3 +58,56 @@ def test_ragged_verifier_forced_paths():
     out = verify_rows(tokens, [3, 2, 0], None, None, p, gens).rows()
     assert [(r.n_accepted, r.next_token, r.next_kind) for r in out] == [
         (3, 2, "bonus"), (1, 3, "recovered"), (0, 0, "bonus")]
+
+
+# ----------------------------------------------------------------- the batched Llama path
+
+from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request  # noqa: E402
+from specdec.fastllama import FastLlamaLM  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+
+
+def smollm2_shaped(seed: int = 0):
+    """Randomly initialised, shaped like SmolLM2: 9 heads / 3 KV heads, tied embeddings, rope theta 1e5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=128,
+                      rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.3)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def assert_rows_match_unbatched(model, batch, slots, contexts, starts, n_logits):
+    """Feed contexts[b][starts[b]:] into the batch; each row's logits must equal a fresh unbatched pass."""
+    got = batch.forward(slots, starts, [c[s:] for c, s in zip(contexts, starts, strict=True)], n_logits)
+    for b, (ctx, n) in enumerate(zip(contexts, n_logits, strict=True)):
+        want = FastLlamaLM(model, "ref").forward(ctx, n)
+        torch.testing.assert_close(got[b, :n], want, atol=1e-4, rtol=1e-4)
+
+
+def check_batched_path(model, vocab):
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(vocab, (n,), generator=g).tolist() for n in (5, 1, 12, 8)]
+    batch = BatchLlama(model, "batch", slots=5)
+    slots = [3, 0, 4, 1]  # not in order, one slot unused
+    assert_rows_match_unbatched(model, batch, slots, ids, [0] * 4, [2, 1, 3, 1])  # ragged prefill
+    # ragged extension: rows feed 1..4 new tokens after their cache, as drafts do
+    longer = [c + torch.randint(vocab, (k,), generator=g).tolist() for c, k in zip(ids, (3, 1, 4, 2), strict=True)]
+    assert_rows_match_unbatched(model, batch, slots, longer, [len(c) for c in ids], [3, 1, 4, 2])
+    # rejected drafts: rewind row 2 by 3 positions and write different tokens there
+    longer[2] = longer[2][:-3] + [7, 8]
+    assert_rows_match_unbatched(model, batch, [4], [longer[2]], [len(longer[2]) - 2], [2])
+    # a row leaves; a new, shorter request takes its slot over stale entries
+    fresh = torch.randint(vocab, (3,), generator=g).tolist()
+    assert_rows_match_unbatched(model, batch, [4, 0], [fresh, longer[1] + [5]], [0, len(longer[1])], [3, 1])
+
+
+def test_batched_llama_matches_unbatched_on_tiny_llama(tiny_pair):
+    from transformers import LlamaForCausalLM
+
+    check_batched_path(LlamaForCausalLM.from_pretrained(tiny_pair["target"]).eval(), 512)
+
+
+def test_batched_llama_matches_unbatched_smollm2_shaped():
+    check_batched_path(smollm2_shaped(), 97)

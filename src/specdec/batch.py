@@ -1,0 +1,427 @@
+"""Batched speculative decoding: many requests in one step, each accepting its own number
+of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
+
+- `BatchLlama`: the lean Llama path of `specdec.fastllama` with B cache slots. One forward
+  scores a ragged batch (row b feeds n_b new tokens after start_b cached ones; rows are
+  padded to the longest and masked). Keys and values are written by position, so entries
+  of rejected drafts are simply overwritten by the next step: a row's cache length is its
+  request's `target_cached` (or `draft_cached`), nothing else to roll back.
+- `Request`: one sequence and all of its state (ids, sampling settings, generator, K, cache
+  slot, cache lengths, finish reason). Nothing about a request lives in the engine.
+- `BatchEngine.step(requests)`: one drafting pass, one target forward for all active rows,
+  ragged verification (`specdec.ragged`), commit per row; rows that finish free their slot
+  and new rows take free slots between steps. K = 0 is plain batched decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.ngram import lookup
+from specdec.fastllama import FastLlamaLM, supports
+from specdec.ragged import verify_rows
+from specdec.sampling import SamplingParams, logits_to_probs, sample
+
+
+class BatchLM(Protocol):
+    """A model with `slots` independent caches, written by position."""
+
+    name: str
+    vocab_size: int
+    max_length: int
+    slots: int
+
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int]) -> torch.Tensor:
+        """Row b: new_ids[b] into cache slot slots[b] at positions starts[b].., seeing that
+        slot's first starts[b] entries. Returns logits (B, max(n_logits), V): entry j of row b
+        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding."""
+        ...
+
+
+class BatchLlama:
+    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache slot per row."""
+
+    INITIAL_CAPACITY = 256  # KV positions per slot allocated up front; grows by doubling
+
+    def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None) -> None:
+        if not supports(model):
+            raise ValueError(f"'{name}' is not a plain Llama model")
+        cfg = model.config
+        self.name, self.slots = name, slots
+        self.vocab_size = vocab_size or cfg.vocab_size
+        self.max_length = int(cfg.max_position_embeddings)
+        self.eps = cfg.rms_norm_eps
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inner = model.model
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight
+            self.layers = [FastLlamaLM._layer_weights(layer) for layer in inner.layers]
+            self.final_norm = inner.norm.weight
+            self.lm_head = model.lm_head.weight[: self.vocab_size]  # tied embeddings: the same tensor
+            positions = torch.arange(self.max_length, dtype=torch.float)
+            freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
+            dtype = self.embed.dtype
+            self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+        shape = (len(self.layers), slots, self.n_kv, min(self.INITIAL_CAPACITY, self.max_length), self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)  # (L, S, Hkv, T, hd)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.forward_calls = 0
+
+    def _reserve(self, end: int) -> None:
+        """Room for positions [0, end) in every slot: grow by doubling, keep what is written."""
+        capacity = self.k_cache.shape[3]
+        if end <= capacity:
+            return
+        size = min(self.max_length, max(end, 2 * capacity))
+        shape = (*self.k_cache.shape[:3], size, self.head_dim)
+        k, v = self.k_cache.new_zeros(shape), self.v_cache.new_zeros(shape)
+        k[:, :, :, :capacity], v[:, :, :, :capacity] = self.k_cache, self.v_cache
+        self.k_cache, self.v_cache = k, v
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as Llama computes it (in float32). x (..., D)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    def _attention(self, i: int, h: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
+                   write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """h (B, n, D) at positions (B, n); write = (valid (B, n), slot (m,), position (m,)) of
+        the real (unpadded) tokens; mask (B, 1, n, T) True where a key is visible."""
+        n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
+        w = self.layers[i]
+        q, k, v = (h @ w["qkv"].T).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
+        q = FastLlamaLM._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
+        k = FastLlamaLM._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
+        valid, slot_of, pos_of = write
+        # Written by position: entries past a row's committed length are stale, overwritten later.
+        self.k_cache[i][slot_of, :, pos_of] = k.transpose(1, 2)[valid]  # (m, Hkv, hd)
+        self.v_cache[i][slot_of, :, pos_of] = v.view(n_rows, n, self.n_kv, hd)[valid]
+        end = mask.shape[-1]
+        keys, values = self.k_cache[i, rows, :, :end], self.v_cache[i, rows, :, :end]  # (B, Hkv, T, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd) @ w["o"].T  # (B, n, D)
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int]) -> torch.Tensor:
+        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V)."""
+        device = self.embed.device
+        lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
+        n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
+        if end > self.max_length:
+            raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
+        self._reserve(end)
+        ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
+        valid = torch.arange(n, device=device)[None, :] < lens[:, None]  # (B, n)
+        slot_t = torch.tensor(list(slots), device=device)
+        positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
+        positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
+        write = (valid, slot_t[:, None].expand(-1, n)[valid], positions[valid])
+        # Query j of row b sees keys 0..start_b + j of its slot: its cache and its own new tokens.
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, n, T)
+        s0 = int(slot_t[0])
+        contiguous = bool((slot_t == torch.arange(s0, s0 + len(slots), device=device)).all())
+        rows: torch.Tensor | slice = slice(s0, s0 + len(slots)) if contiguous else slot_t  # a view, not a copy
+        x = self.embed[ids]  # (B, n, D)
+        for i, w in enumerate(self.layers):
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), rows, positions, write, mask)
+            gate, up = (self._norm(x, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w["down"].T
+        self.forward_calls += 1
+        m = max(n_logits)
+        if m == 0:
+            return torch.zeros(len(slots), 0, self.vocab_size, device=device)
+        first = lens - torch.tensor(list(n_logits), device=device)  # (B,) first new token with logits
+        pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
+        pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
+        x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
+        return (self._norm(x, self.final_norm) @ self.lm_head.T).float()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence and all of its state. `seed` fixes its generator (drawn at random if None)."""
+
+    prompt: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    k: int = 4  # draft length per step (0 = plain decoding)
+    seed: int | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "context"
+    slot: int | None = None  # the cache slot this request holds while it runs
+    target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
+    draft_cached: int = 0  # the same for the drafter's slot (its drafter state)
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not all(isinstance(t, int | np.integer) and not isinstance(t, bool)
+                                      for t in self.prompt):
+            raise ValueError("a prompt must be a non-empty list of integer token ids")
+        self.prompt = [int(t) for t in self.prompt]
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one row (terms as in specdec.verify)."""
+
+    request: Request
+    drafted: list[int]
+    accepted: int
+    next_token: int
+    next_kind: str  # "recovered" or "bonus"
+    committed: list[int]  # tokens appended this step, after EOS / length cuts
+    finish_reason: str | None
+
+
+@dataclass
+class BatchDraft:
+    tokens: list[list[int]]  # (B, k_b) drafted tokens per row
+    probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
+
+
+class ModelBatchDrafter:
+    """A small model drafting autoregressively for every row at once, each up to its own k_b."""
+
+    def __init__(self, lm: BatchLM) -> None:
+        self.lm, self.name = lm, lm.name
+
+    def room(self, req: Request) -> int:
+        return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        _prefill(self.lm, reqs, "draft_cached")
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size)  # (B, K, V)
+        feeds = {b: reqs[b].context[reqs[b].draft_cached:] for b, k in enumerate(ks) if k > 0}
+        for j in range(max(ks)):
+            live = [b for b in feeds if ks[b] > j]
+            logits = self.lm.forward([_slot(reqs[b]) for b in live], [reqs[b].draft_cached for b in live],
+                                     [feeds[b] for b in live], [1] * len(live))[:, 0]  # (B_live, V)
+            for i, b in enumerate(live):
+                req = reqs[b]
+                req.draft_cached += len(feeds[b])
+                q = logits_to_probs(logits[i], req.params, who=f"drafter '{self.name}'")  # (V,)
+                token = int(q.argmax()) if req.params.greedy else int(sample(q, req.generator))
+                probs[b, j], feeds[b] = q, [token]
+                tokens[b].append(token)
+        return BatchDraft(tokens, probs)
+
+
+class NgramBatchDrafter:
+    """Prompt lookup per row (see specdec.drafters.ngram): no model, one-hot q."""
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
+        self.n_max, self.n_min = n_max, n_min
+
+    def room(self, req: Request) -> int:
+        return 1 << 30
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        return BatchDraft([lookup(np.asarray(r.context, dtype=np.int64), k, self.n_max, self.n_min) if k else []
+                           for r, k in zip(reqs, ks, strict=True)], None)
+
+
+BatchDrafter = ModelBatchDrafter | NgramBatchDrafter
+
+
+def _slot(req: Request) -> int:
+    assert req.slot is not None, "a running request holds a cache slot"
+    return req.slot
+
+
+def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str) -> None:
+    """Feed each new row's prompt but its last token, so that later steps feed few tokens per row."""
+    rows = [r for r in reqs if len(r.prompt) > 1]
+    if rows:
+        lm.forward([_slot(r) for r in rows], [0] * len(rows), [r.prompt[:-1] for r in rows], [0] * len(rows))
+    for r in rows:
+        setattr(r, attr, len(r.prompt) - 1)
+
+
+def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
+    """logits (B, n, V) -> each row's sampling distribution (B, n, V), one call per distinct setting."""
+    out = torch.empty_like(logits)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, r in enumerate(reqs):
+        groups.setdefault(r.params, []).append(b)
+    for params, rows in groups.items():
+        out[rows] = logits_to_probs(logits[rows], params, who=who)
+    return out
+
+
+class BatchEngine:
+    def __init__(self, target: BatchLM, drafter: BatchDrafter | None = None, eos_token_ids: Iterable[int] = (),
+                 tokenizer: Any = None) -> None:
+        if isinstance(drafter, ModelBatchDrafter) and (drafter.lm.vocab_size != target.vocab_size
+                                                        or drafter.lm.slots != target.slots):
+            raise ValueError("the drafter must score the target's vocabulary and have as many slots")
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self._free = list(range(target.slots))[::-1]  # slots no request holds
+
+    @classmethod
+    def from_pretrained(cls, target: str, draft: str | None = None, slots: int = 16,
+                        dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype | None = None) -> BatchEngine:
+        """target: a path, hub id or "smollm2"; draft: None (plain), "ngram", or a model with the target's tokenizer."""
+        from specdec.api import default_draft_dtype
+        from specdec.lm import load_pretrained, shared_vocab_size
+
+        model, tok = load_pretrained(target, dtype, role="target")
+        vocab = shared_vocab_size(model, tok, None, None, target, None)
+        drafter: BatchDrafter | None = None
+        if draft == "ngram":
+            drafter = NgramBatchDrafter()
+        elif draft is not None:
+            d_model, d_tok = load_pretrained(draft, draft_dtype or default_draft_dtype(), role="drafter")
+            vocab = shared_vocab_size(model, tok, d_model, d_tok, target, draft)
+            drafter = ModelBatchDrafter(BatchLlama(d_model, draft, slots, vocab))
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = tok.eos_token_id if eos is None else eos
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return cls(BatchLlama(model, target, slots, vocab), drafter, eos_ids, tok)
+
+    # ----------------------------------------------------------------- one step
+    def step(self, requests: Sequence[Request]) -> list[StepEvent]:
+        """One round for every unfinished request: draft, score, verify, commit."""
+        active = [r for r in requests if not r.done]
+        if not active:
+            return []
+        # 1. Join: new rows take a free cache slot and prefill their prompts.
+        self._admit(active)
+        # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context).
+        ks = [self._draft_budget(r) for r in active]
+        if self.drafter is not None and any(ks):
+            draft = self.drafter.propose(active, ks)
+        else:
+            draft = BatchDraft([[] for _ in active], None)
+        lens = [len(t) for t in draft.tokens]
+        # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
+        feeds = [r.context[r.target_cached:] + t for r, t in zip(active, draft.tokens, strict=True)]
+        logits = self.target.forward([_slot(r) for r in active], [r.target_cached for r in active], feeds,
+                                     [k + 1 for k in lens])  # (B, K+1, V)
+        for r, f in zip(active, feeds, strict=True):
+            r.target_cached += len(f)
+        target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
+        # 4. Ragged verification.
+        k_max = max(lens)
+        draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens],
+                                    dtype=torch.long).reshape(len(active), k_max)  # (B, K)
+        probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
+        verdict = verify_rows(draft_tokens, lens, probs, None, target_probs, [r.generator for r in active])
+        # 5. Commit per row; finished rows leave and free their slot.
+        return [self._commit(r, t, v.n_accepted, v.next_token, v.next_kind)
+                for r, t, v in zip(active, draft.tokens, verdict.rows(), strict=True)]
+
+    def _admit(self, active: Sequence[Request]) -> None:
+        new = [r for r in active if r.slot is None]
+        if not new:
+            return
+        if len(new) > len(self._free):
+            raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
+        for r in new:
+            if max(r.prompt) >= self.target.vocab_size or min(r.prompt) < 0:
+                raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+            if len(r.prompt) >= self.target.max_length:
+                raise ValueError(f"the prompt is {len(r.prompt)} tokens but the target's context is "
+                                 f"{self.target.max_length} tokens")
+            r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, 0
+        _prefill(self.target, new, "target_cached")
+        if self.drafter is not None:
+            self.drafter.prefill([r for r in new if r.k > 0])
+
+    def _draft_budget(self, req: Request) -> int:
+        """K for this step, cut so a step never overshoots max_new_tokens (a step yields up to
+        K+1 tokens) or the target's or drafter's context."""
+        if self.drafter is None:
+            return 0
+        remaining = req.max_new_tokens - len(req.generated)
+        room = self.target.max_length - len(req.context)
+        return max(0, min(req.k, remaining - 1, room, self.drafter.room(req)))
+
+    def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str) -> StepEvent:
+        """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context."""
+        before = len(req.context)
+        for token in [*drafted[:n_accepted], next_token]:
+            req.generated.append(token)
+            if token in self.eos_token_ids:
+                req.finish_reason = "eos"
+            elif len(req.generated) >= req.max_new_tokens:
+                req.finish_reason = "length"
+            elif len(req.context) >= self.target.max_length:
+                req.finish_reason = "context"
+            if req.finish_reason:
+                break
+        # The caches hold the drafted tokens too: valid only up to the last accepted one.
+        req.target_cached = min(req.target_cached, before + n_accepted)
+        req.draft_cached = min(req.draft_cached, before + n_accepted)
+        if req.done and req.slot is not None:
+            self._free.append(req.slot)
+            req.slot = None
+        return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],
+                         req.finish_reason)
+
+    # ----------------------------------------------------------------- many prompts
+    def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = 128,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
+                 draft_tokens: int = 4, max_batch: int | None = None) -> list[Request]:
+        """Run every prompt to its end, at most max_batch (default: all slots) at a time: rows
+        leave as they finish and waiting ones join. A Request keeps its own settings; other
+        prompts get these, and prompt i the seed seed + i. Returns the requests, in order."""
+        params = SamplingParams(temperature, top_k, top_p)
+        requests = [p if isinstance(p, Request) else
+                    Request(self._encode(p), max_new_tokens, params, draft_tokens,
+                            None if seed is None else seed + i) for i, p in enumerate(prompts)]
+        width = min(max_batch or self.target.slots, self.target.slots)
+        waiting, running = deque(requests), list[Request]()
+        while waiting or running:
+            while waiting and len(running) < width:
+                running.append(waiting.popleft())
+            self.step(running)
+            running = [r for r in running if not r.done]
+        return requests
+
+    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+
+__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "ModelBatchDrafter", "NgramBatchDrafter",
+           "Request", "StepEvent"]

@@ -2,11 +2,15 @@
 the batched Llama path against the unbatched one, greedy equality per row with unbatched
 plain decoding, and the exact statistical test per row of a batch with mixed settings."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request
+from specdec.fastllama import FastLlamaLM
 from specdec.ragged import verify_rows, verify_rows_reference
+from specdec.sampling import SamplingParams
 
 # ----------------------------------------------------------------- the ragged verifier
 
@@ -62,10 +66,6 @@ def test_ragged_verifier_forced_paths():
 
 # ----------------------------------------------------------------- the batched Llama path
 
-from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request  # noqa: E402
-from specdec.fastllama import FastLlamaLM  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
-
 
 def smollm2_shaped(seed: int = 0):
     """Randomly initialised, shaped like SmolLM2: 9 heads / 3 KV heads, tied embeddings, rope theta 1e5."""
@@ -111,3 +111,50 @@ def test_batched_llama_matches_unbatched_on_tiny_llama(tiny_pair):
 
 def test_batched_llama_matches_unbatched_smollm2_shaped():
     check_batched_path(smollm2_shaped(), 97)
+
+
+# ----------------------------------------------------------------- greedy equality per row
+
+PROMPT_LENGTHS, MAX_NEW, KS = (3, 9, 17, 5, 1, 30), (12, 20, 7, 16, 10, 14), (0, 1, 3, 5, 4, 2)
+
+
+def mixed_requests(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return [Request(p, m, SamplingParams(0.0), k) for p, m, k in zip(prompts, MAX_NEW, KS, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_pair):
+    from specdec import load
+
+    return load(tiny_pair["target"], draft="none").plain()
+
+
+@pytest.mark.parametrize("draft", [None, "close", "far", "ngram"])
+def test_greedy_rows_equal_unbatched_plain_decoding(tiny_pair, plain_tiny, draft):
+    """Mixed prompt lengths, K and max_new_tokens; 6 requests through 4 slots (rows join and leave)."""
+    engine = BatchEngine.from_pretrained(tiny_pair["target"], draft if draft in (None, "ngram") else tiny_pair[draft],
+                                         slots=4, draft_dtype=torch.float32)
+    requests = engine.generate(mixed_requests(engine.target.vocab_size))
+    for r in requests:
+        want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+        assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
+
+
+def test_a_row_that_stops_early_does_not_disturb_the_others(tiny_pair, plain_tiny):
+    engine = BatchEngine.from_pretrained(tiny_pair["target"], tiny_pair["close"], slots=6, draft_dtype=torch.float32)
+    first = engine.generate(mixed_requests(engine.target.vocab_size))
+    eos = first[2].generated[2]  # row 2 will now end at its third token
+    engine.eos_token_ids = {eos}
+    requests = engine.generate(mixed_requests(engine.target.vocab_size))
+    saved = plain_tiny.eos_token_ids
+    try:
+        plain_tiny.eos_token_ids = {eos}
+        for r in requests:
+            want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+            assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
+    finally:
+        plain_tiny.eos_token_ids = saved
+    assert requests[2].finish_reason == "eos" and len(requests[2].generated) <= 3
+    assert {r.finish_reason for r in requests} == {"eos", "length"}

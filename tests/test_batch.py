@@ -2,15 +2,20 @@
 the batched Llama path against the unbatched one, greedy equality per row with unbatched
 plain decoding, and the exact statistical test per row of a batch with mixed settings."""
 
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request
+from specdec.certify import goodness_of_fit
 from specdec.fastllama import FastLlamaLM
-from specdec.ragged import verify_rows, verify_rows_reference
+from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.sampling import SamplingParams
+from specdec.toy import MarkovLM, sequence_distribution
+from tests.helpers import ALPHA
 
 # ----------------------------------------------------------------- the ragged verifier
 
@@ -158,3 +163,92 @@ def test_a_row_that_stops_early_does_not_disturb_the_others(tiny_pair, plain_tin
         plain_tiny.eos_token_ids = saved
     assert requests[2].finish_reason == "eos" and len(requests[2].generated) <= 3
     assert {r.finish_reason for r in requests} == {"eos", "length"}
+
+
+# ----------------------------------------------------------------- the exact statistical test, per row
+
+
+class MarkovBatch:
+    """specdec.toy.MarkovLM behind the batched interface: each slot keeps its tokens, cut to
+    `start` on every call, so a wrong cache length in the engine changes the logits."""
+
+    def __init__(self, lm: MarkovLM, slots: int) -> None:
+        self.lm, self.slots, self.name = lm, slots, lm.name
+        self.vocab_size, self.max_length = lm.vocab_size, lm.max_length
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]
+
+    def forward(self, slots, starts, new_ids, n_logits):
+        out = torch.zeros(len(slots), max(n_logits), self.vocab_size)
+        for b, (slot, start, ids, n) in enumerate(zip(slots, starts, new_ids, n_logits, strict=True)):
+            assert start <= len(self.tokens[slot])
+            toks = self.tokens[slot] = self.tokens[slot][:start] + list(ids)
+            for j in range(n):
+                out[b, j] = self.lm.logits_after(toks[: len(toks) - n + j + 1])
+        return out
+
+
+def markov_models():
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    good = target.blend(MarkovLM.random(V, order=2, seed=12), 0.35, "good")
+    return target, good
+
+
+V, PROMPT, LENGTH, N, SLOTS = 5, [1, 2], 3, 3000, 15
+ROWS = [  # (K, settings), all in every batch
+    (3, dict(temperature=1.0)),
+    (1, dict(temperature=0.6)),
+    (0, dict(temperature=1.0)),
+    (4, dict(temperature=0.8, top_p=0.7)),
+    (2, dict(temperature=1.2, top_k=4, top_p=0.9)),
+]
+
+
+def toy_engine(drafter: str) -> tuple[BatchEngine, MarkovLM]:
+    target, good = markov_models()
+    d = ModelBatchDrafter(MarkovBatch(good, SLOTS)) if drafter == "model" else NgramBatchDrafter(2)
+    return BatchEngine(MarkovBatch(target, SLOTS), d), target
+
+
+def row_params(settings) -> SamplingParams:
+    return SamplingParams(settings["temperature"], settings.get("top_k"), settings.get("top_p", 1.0))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
+    engine, target = toy_engine(drafter)
+    requests = [Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N) for k, s in ROWS]
+    engine.generate(requests)
+    for j, (k, s) in enumerate(ROWS):
+        counts = Counter(tuple(r.generated) for r in requests[j :: len(ROWS)])
+        result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, row_params(s)), alpha=ALPHA)
+        assert result.passed, (k, s, result)
+
+
+def test_negative_control_wrong_residual_is_caught(monkeypatch):
+    """Recovering from p instead of norm(max(0, p - q)) must fail the same test."""
+    import specdec.batch as batch_mod
+
+    def from_p(draft_tokens, lens, draft_probs, one_hot, target_probs, generators):
+        verdict = verify_rows(draft_tokens, lens, draft_probs, one_hot, target_probs, generators)
+        rows = torch.arange(len(lens))
+        redraw = torch.multinomial(target_probs[rows, verdict.n_accepted], 1).squeeze(-1)
+        return RaggedVerdict(verdict.n_accepted, torch.where(verdict.bonus, verdict.next_tokens, redraw),
+                             verdict.bonus)
+
+    monkeypatch.setattr(batch_mod, "verify_rows", from_p)
+    engine, target = toy_engine("model")
+    k, s = ROWS[0]
+    requests = engine.generate([Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N)])
+    counts = Counter(tuple(r.generated) for r in requests)
+    assert not goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, row_params(s)), ALPHA).passed
+
+
+def test_a_row_is_independent_of_its_neighbours_and_of_earlier_requests():
+    """Same seed -> same output: alone, in a batch of others, and after other requests used the slots."""
+    engine, _ = toy_engine("model")
+    alone = engine.generate([Request(PROMPT, 8, row_params(ROWS[0][1]), 3, seed=5)])[0].generated
+    others = [Request([i % V, 3], 6, row_params(s), k, seed=100 + i) for i, (k, s) in enumerate(ROWS * 3)]
+    mixed = engine.generate([*others[:7], Request(PROMPT, 8, row_params(ROWS[0][1]), 3, seed=5), *others[7:]],
+                            max_batch=6)
+    assert mixed[7].generated == alone
+    assert engine.generate([Request(PROMPT, 8, row_params(ROWS[0][1]), 3, seed=5)])[0].generated == alone

@@ -155,7 +155,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from specdec.train.pipeline import distill, load_config
 
     cfg = load_config(Path(args.config))
-    distill(cfg, Path(args.work_dir), Path(args.target), Path(args.out),
+    if "paths" in cfg:  # prophets for a real target (configs/smollm2.toml): self-distillation + feature heads
+        from specdec.train.smollm2 import run
+
+        run(cfg, work_dir=Path(args.work_dir) if args.work_dir else None,
+            models_dir=Path(args.models_dir) if args.models_dir else None, only=args.only,
+            max_steps=args.max_steps, data_minutes=args.data_minutes, train_minutes=args.distill_minutes)
+        return 0
+    distill(cfg, Path(args.work_dir or ".cache/bundled"), Path(args.target), Path(args.out),
             data_out_dir=Path(args.data_out) if args.data_out else None, data_minutes=args.data_minutes,
             distill_minutes=args.distill_minutes, max_steps=args.max_steps)
     return 0
@@ -242,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="train the drafter on the data, then distill it from a target")
     d.add_argument("--config", default="configs/bundled.toml")
-    d.add_argument("--work-dir", default=".cache/bundled")
+    d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
+    d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
+    d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa)")
     d.add_argument("--target", default="models/target")
     d.add_argument("--out", default="models/drafter")
     d.add_argument("--data-out", default=None, help="also save the data-only drafter here")

@@ -82,14 +82,17 @@ def answer_batch(model: Any, prompts: list[list[int]], max_new: int, eos: int, t
 
 def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, max_new: int,
                   temperatures: list[float], seed: int = 0, minutes: float | None = None,
-                  log: Any = print) -> Path:
+                  dtype: torch.dtype = torch.float32, log: Any = print) -> Path:
     """Answer `n_prompts` training prompts (all four categories) into shards under out_dir."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.lm import load_pretrained
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_pretrained(target, torch.float32)
+    if (out_dir / "DONE").exists():
+        log(f"self-distillation data already in {out_dir}")
+        return out_dir
+    model, tokenizer = load_pretrained(target, dtype)
     model.eval()
     eos = int(tokenizer.eos_token_id)
     prompts = chat_prompts(n_prompts // 4 + 1, heldout=False, seed=seed)[:n_prompts]
@@ -130,4 +133,6 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
             torch.save(shard, tmp)
             os.replace(tmp, path)
             bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s")
+    done = len(list(out_dir.glob("shard-*.pt")))
+    (out_dir / "DONE").write_text(f"{done} of {len(batches)} batches\n")
     return out_dir

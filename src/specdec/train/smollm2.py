@@ -1,0 +1,67 @@
+"""`specdec distill --config configs/smollm2.toml`: prophets for a real target, end to end.
+
+Steps (each resumable): self-distillation data (specdec.train.selfdistill), then each
+feature prophet (specdec.train.features), exported with int8 weights into models/, with
+its held-out agreement written to models/<name>-evaluation.json for the model card.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.train.features import draft_vocabulary, export, load_shards, train_head
+from specdec.train.selfdistill import generate_data
+
+PROPHETS = ("eagle", "medusa")
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "bfloat16":
+        from specdec.api import default_draft_dtype
+
+        return default_draft_dtype()  # bf16 only where the CPU computes it natively
+    return torch.float32
+
+
+def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | None = None,
+        only: list[str] | None = None, max_steps: int | None = None, data_minutes: float | None = None,
+        train_minutes: float | None = None, log: Any = print) -> dict[str, Any]:
+    from specdec.lm import load_pretrained
+
+    paths = cfg["paths"]
+    work = work_dir or Path(paths["work_dir"])
+    models = models_dir or Path(paths["models"])
+    d = cfg["data"]
+    t0 = time.perf_counter()
+    generate_data(paths["target"], work / "data", n_prompts=int(d["prompts"]), batch_size=int(d["batch_size"]),
+                  max_new=int(d["max_new_tokens"]), temperatures=[float(t) for t in d["temperatures"]],
+                  seed=int(d.get("seed", 0)), minutes=data_minutes if data_minutes is not None else d.get("minutes"),
+                  dtype=_dtype(str(d.get("dtype", "float32"))), log=log)
+    log(f"data ready in {time.perf_counter() - t0:.0f}s")
+    model, tokenizer = load_pretrained(paths["target"], torch.float32)
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    report: dict[str, Any] = {}
+    for kind in only or list(PROPHETS):
+        pc = cfg[kind]
+        data = load_shards(work / "data", int(pc["unroll"]), vocab_size=lm_head.shape[0])
+        vocab = draft_vocabulary(data.answer_counts, int(cfg["vocab"]["size"]), [int(tokenizer.eos_token_id)])
+        coverage = float(data.answer_counts[vocab].sum()) / max(1, int(data.answer_counts.sum()))
+        log(f"{kind}: {len(data.starts_train)} training positions, {len(data.starts_heldout)} held out; "
+            f"draft vocabulary {len(vocab)} ids covering {coverage:.4f} of answer tokens")
+        minutes = train_minutes if train_minutes is not None else float(pc["minutes"])
+        head, info = train_head(kind, data, embed, lm_head, vocab, pc, work / f"{kind}.ckpt", minutes, max_steps,
+                                log=log)
+        name = f"smollm2-{kind}"
+        meta = {"target": paths["target"], "vocab_size": int(lm_head.shape[0]), "draft_vocab": len(vocab),
+                "draft_vocab_coverage": round(coverage, 4), "answer_tokens": data.n_answer_tokens,
+                "training": info, "config": pc}
+        export(head, vocab, models / name, meta)
+        (models / f"{name}-evaluation.json").write_text(json.dumps(meta, indent=1) + "\n")
+        report[kind] = meta
+    return report

@@ -1,0 +1,64 @@
+"""Feature prophets (eagle, medusa) with a reduced draft vocabulary: exact on toy models
+whose distribution is known, greedy-equal on the real target with the shipped prophets."""
+
+import pytest
+import torch
+
+from specdec.drafters.feature import FeatureDrafter, FeatureHead, load_head, save_head
+from specdec.engine import SpeculativeDecoder
+from specdec.policy import AutoPolicy, Policy
+from specdec.toy import MarkovLM
+from tests.helpers import fit_against_exact
+
+V, PROMPT, LENGTH, N = 5, [1, 2], 4, 4000
+
+
+def toy_prophet(target: MarkovLM, kind: str, vocab_ids=(0, 1, 3), seed: int = 0) -> FeatureDrafter:
+    torch.manual_seed(seed)
+    head = FeatureHead(kind, MarkovLM.FEATURE_DIM, rank=8, depth=2, n_heads=4)
+    for p in head.parameters():  # not the identity it starts as: an arbitrary, imperfect prophet
+        torch.nn.init.normal_(p, std=0.5)
+    return FeatureDrafter(head, target.embeddings(), target.head(), torch.tensor(vocab_ids), V, name=kind)
+
+
+@pytest.mark.parametrize("kind,k,settings", [
+    ("eagle", 3, dict(temperature=1.0)),
+    ("eagle", 2, dict(temperature=0.7, top_k=3)),
+    ("medusa", 3, dict(temperature=1.0)),
+    ("medusa", 4, dict(temperature=1.3, top_p=0.9)),
+])
+def test_feature_prophets_with_a_reduced_vocabulary_are_exact(kind, k, settings):
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    decoder = SpeculativeDecoder(target, toy_prophet(target, kind), policy=Policy(k))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, **settings)
+    assert result.passed, result
+    out = decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=0, **settings)
+    assert out.stats.drafted > 0  # the prophet really drafted (after the first, plain round)
+
+
+def test_auto_policy_with_a_feature_prophet_is_exact():
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    decoder = SpeculativeDecoder(target, toy_prophet(target, "eagle", (0, 1, 2, 3, 4)), policy=AutoPolicy(3))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
+    assert result.passed, result
+
+
+def test_a_draft_never_proposes_outside_its_vocabulary(tmp_path):
+    target = MarkovLM.random(V, order=2, seed=11, name="target")
+    prophet = toy_prophet(target, "eagle", (1, 3))
+    decoder = SpeculativeDecoder(target, prophet, policy=Policy(3))
+    for seed in range(20):
+        out = decoder.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=seed)
+        assert all(t in (1, 3) for e in out.events for t in e.drafted)
+    save_head(prophet.head, prophet.vocab_ids, tmp_path / "p", {"vocab_size": V})
+    head, vocab, cfg = load_head(tmp_path / "p")
+    assert vocab.tolist() == [1, 3] and cfg["kind"] == "eagle"
+    for a, b in zip(head.state_dict().values(), prophet.head.state_dict().values(), strict=True):
+        assert torch.allclose(a, b.float(), atol=b.abs().max().item() / 100)  # int8 storage, per-row scales
+
+
+def test_feature_prophets_need_a_target_with_features():
+    target = MarkovLM.random(V, order=2, seed=11, name="target")
+    target.offers_hidden = False
+    with pytest.raises(ValueError, match="hidden states"):
+        SpeculativeDecoder(target, toy_prophet(target, "eagle"), policy=Policy(3))

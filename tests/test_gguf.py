@@ -1,0 +1,100 @@
+"""GGUF models and the packaged SmolLM2: conversion once into the cache, clear errors,
+nothing half-written; the lean path on GQA models with tied embeddings."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import specdec.gguf as gguf_mod
+from specdec.cli import main
+from specdec.errors import ModelLoadError
+from specdec.fastllama import FastLlamaLM
+from specdec.lm import HFCausalLM, load_pretrained
+from tests.gguf_writer import write_tiny_gguf
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_gguf_file_is_converted_once_and_loads_like_transformers(tmp_path, cache, monkeypatch):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model, tokenizer = load_pretrained(str(path))
+    converted = list((cache / "gguf").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 2
+    assert tokenizer.eos_token == "<|im_end|>"
+
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(gguf_mod, "_convert_into", no_second_conversion)
+    again, _ = load_pretrained(str(path))
+    assert torch.equal(again(ids).logits, reference(ids).logits)
+
+
+def test_a_missing_corrupt_or_unsupported_file_is_a_clear_error_and_leaves_nothing(tmp_path, cache):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_pretrained(str(tmp_path / "missing.gguf"))
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(200)))
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_pretrained(str(corrupt))
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch="specdec-unknown")
+    with pytest.raises(ModelLoadError, match="'specdec-unknown' model"):
+        load_pretrained(str(other))
+    leftovers = list((cache / "gguf").iterdir()) if (cache / "gguf").exists() else []
+    assert leftovers == []
+
+
+def test_a_failed_conversion_leaves_nothing_half_written(tmp_path, cache, monkeypatch):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        load_pretrained(str(path))
+    assert list((cache / "gguf").iterdir()) == []
+
+
+def test_cli_gives_one_line_and_exit_code_2_for_a_bad_gguf(tmp_path, cache, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    assert main(["generate", "hello", "--target", str(bad), "--draft", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a readable GGUF file" in err[0]
+
+
+def smollm2_shaped(seed=0):
+    """Random weights, SmolLM2's shape in miniature: 9 heads over 3 KV heads, tied
+    embeddings, rope theta 1e5."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=144, intermediate_size=384, num_hidden_layers=3,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_lean_path_equals_transformers_on_a_smollm2_shaped_model_and_grows_its_buffer():
+    model = smollm2_shaped()
+    fast, hf = FastLlamaLM(model, "fast"), HFCausalLM(model, "hf")
+    assert fast.capacity == FastLlamaLM.INITIAL_CAPACITY  # not the 8,192 positions the config allows
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 300, (200,), generator=g).tolist()
+    a, b = fast.forward(prompt, 3), hf.forward(prompt, 3)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    for _ in range(20):  # past the first 256 positions: the buffer grows, logits stay equal
+        chunk = torch.randint(0, 300, (5,), generator=g).tolist()
+        (a, ha), (b, hb) = fast.forward_features(chunk, 5), hf.forward_features(chunk, 5)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4) and torch.allclose(ha, hb, atol=1e-4, rtol=1e-4)
+    assert fast.capacity == 512 and len(fast.tokens) == 300
+    fast.truncate(250)
+    hf.truncate(250)
+    assert torch.allclose(fast.forward([7], 1), hf.forward([7], 1), atol=1e-4, rtol=1e-4)

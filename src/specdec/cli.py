@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-k", type=int, default=4, help="K of the fixed-K configurations")
     b.add_argument("--target", default=None)
     b.add_argument("--drafter", default=None)
+    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat"],
+                   help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2)")
     b.set_defaults(func=cmd_bench)
     return parser
 

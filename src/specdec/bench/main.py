@@ -14,6 +14,8 @@ from specdec.bench.prompts import CATEGORIES, build_suite
 from specdec.bench.report import by_category, markdown, plots, summarize_config
 from specdec.bench.report import fmt as _f
 from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
+from specdec.chatprompts import CHAT_CATEGORIES, chat_prompts
+from specdec.gguf import is_alias
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations
 
@@ -38,6 +40,28 @@ def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
              Config("layerskip:auto", "ours", "layerskip", k=3),
              Config("drafter+ngram tree", "ours", "default+ngram", k=k),
              Config("drafter+ngram best", "ours", "default+ngram", k=k, multi="best")]
+    return base + mine + peers
+
+
+def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
+    """The real chat target (smollm2) and its prophets, plain decoding and transformers.
+    transformers' assisted generation needs a smaller model with the same tokenizer, which
+    SmolLM2-135M does not have (it is the smallest of its family); its prompt lookup runs."""
+    from specdec.defaults import models_dir
+
+    eagle, medusa = str(models_dir() / "smollm2-eagle"), str(models_dir() / "smollm2-medusa")
+    base = [Config("plain", "ours"), Config("plain (again)", "ours")]
+    peers = [Config("hf plain", "hf-plain")] + ([Config("hf prompt-lookup", "hf-lookup", k=10)] if greedy else [])
+    if quick:
+        return base + [Config("eagle auto (default)", "ours", eagle, "auto", k=k),
+                       Config("ngram auto", "ours", "ngram", "auto", k=8)] + peers
+    mine = [Config("eagle auto (default)", "ours", eagle, "auto", k=k),
+            Config(f"eagle K={k}", "ours", eagle, "fixed", k=k),
+            Config("eagle K=6", "ours", eagle, "fixed", k=6),
+            Config("medusa K=3", "ours", medusa, "fixed", k=3),
+            Config("ngram auto", "ours", "ngram", "auto", k=8),
+            Config("ngram K=8 fixed", "ours", "ngram", "fixed", k=8),
+            Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best")]
     return base + mine + peers
 
 
@@ -89,7 +113,10 @@ def machine_info() -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "python": platform.python_version(),
+    from specdec.api import default_draft_dtype
+
+    return {"platform": platform.platform(), "cpu": cpu, "native_bf16": default_draft_dtype() == torch.bfloat16,
+            "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
 
 
@@ -98,7 +125,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
 
     settings = {"temperature": 0.0 if greedy else 1.0, "top_k": None, "top_p": 1.0,
                 "max_new_tokens": args.max_new_tokens}
-    configs = configs_for(args.quick, greedy, args.k)
+    configs = (chat_configs_for if args.chat else configs_for)(args.quick, greedy, args.k)
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
@@ -107,11 +134,14 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     tok = plain.tokenizer
     # keep the end of a prompt that would not leave room for the continuation
     room = plain.target.max_length - args.max_new_tokens - 1
-    prompt_ids = [list(tok(p.text)["input_ids"])[-room:] for p in prompts]
+    if args.chat:
+        prompt_ids = [plain.chat_ids(p.messages())[-room:] for p in prompts]
+    else:
+        prompt_ids = [list(tok(p.text)["input_ids"])[-room:] for p in prompts]
     # warm-up: every configuration once on the first prompt, not recorded
     for cfg in configs:
         runner.run(cfg, prompt_ids[0], seed=0)
-    main = next((c for c in configs if c.name.startswith("drafter K=")), configs[0])
+    main = next((c for c in configs if c.name.startswith(("drafter K=", "eagle K="))), configs[0])
     drafter_lm = getattr(runner.decoders[main.name].drafters[0], "lm", None) if main.kind == "ours" else None
     costs = measure_costs(plain.target, drafter_lm, prompt_ids[0], ks=[1, 2, 3, 4, 6, 8])  # type: ignore[arg-type]
     tag = "greedy" if greedy else "sampling"
@@ -121,9 +151,10 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
                            on_run=lambda r: bar.update(task, advance=1))
     rows = [summarize_config(runs, cfg, "plain", greedy, costs) for cfg in configs]
-    cats = by_category(runs, configs, "plain", greedy, list(CATEGORIES))
+    categories = list(CHAT_CATEGORIES if args.chat else CATEGORIES)
+    cats = by_category(runs, configs, "plain", greedy, categories)
     out_dir = Path(args.out)
-    pics = plots(rows, cats, list(CATEGORIES), runs, main.name, out_dir, tag)
+    pics = plots(rows, cats, categories, runs, main.name, out_dir, tag)
     # one generation of the main configuration, as a timeline
     if main.kind == "ours":
         from specdec.viz import plot_timeline
@@ -145,7 +176,9 @@ def run_bench(args: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = build_suite(per_category=args.per_category or (2 if args.quick else 6))
+    args.chat = args.suite == "chat" or (args.suite == "auto" and args.target is not None and is_alias(args.target))
+    per_category = args.per_category or (2 if args.quick else 6)
+    prompts: list[Any] = chat_prompts(per_category, heldout=True) if args.chat else build_suite(per_category)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
     t0 = time.perf_counter()
     modes = [m for m in args.modes.split(",") if m]
@@ -154,7 +187,8 @@ def run_bench(args: Any) -> dict[str, Any]:
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
-    md = [f"Command: `{args.command_line}`  \nMachine: {report['machine']['cpu']}, "
+    md = [f"Command: `{args.command_line}`  \nMachine: {report['machine']['cpu']} "
+          f"({'native bf16' if report['machine']['native_bf16'] else 'no native bf16'}), "
           f"{report['machine']['threads']} threads, torch {report['machine']['torch']}, transformers "
           f"{report['machine']['transformers']}; {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
           f"{args.repeats} repeat(s).\n"]
@@ -162,7 +196,8 @@ def run_bench(args: Any) -> dict[str, Any]:
         c = res["costs"]
         header = (f"### {res['mode']}\n\nc = t_draft/t_target = {c.get('c', float('nan')):.3f}; verification cost "
                   f"t_target(K+1)/t_target(1) for K=4: {c['v_4']:.2f}; t_target(1) = {1e3 * c['t_target_1']:.1f} ms")
-        md.append(markdown(res["rows"], res["by_category"], list(CATEGORIES), header))
+        md.append(markdown(res["rows"], res["by_category"], list(CHAT_CATEGORIES if args.chat else CATEGORIES),
+                           header))
         table = Table(title=f"specdec bench ({res['mode']})")
         for key in ["config", "speedup", "min-max", "tok/s", "accept", "tok/round", "pred", "meas/pred", "other",
                     "same"]:
@@ -175,5 +210,7 @@ def run_bench(args: Any) -> dict[str, Any]:
                           _f(r.get("identical_to_plain")))
         console.print(table)
     (out_dir / "bench.md").write_text("\n".join(md))
+    bf16 = "computes bf16 natively" if report["machine"]["native_bf16"] else "no native bf16 (fp32 drafters)"
+    console.print(f"machine: {report['machine']['cpu']}, {bf16}")
     console.print(f"wrote bench.json, bench.md and plots to {out_dir} in {time.perf_counter() - t0:.0f}s")
     return report

@@ -227,12 +227,14 @@ class ModelBatchDrafter:
             live = [b for b in feeds if ks[b] > j]
             logits = self.lm.forward([_slot(reqs[b]) for b in live], [reqs[b].draft_cached for b in live],
                                      [feeds[b] for b in live], [1] * len(live))[:, 0]  # (B_live, V)
+            q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"drafter '{self.name}'")[:, 0]
+            probs[live, j] = q
+            greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
             for i, b in enumerate(live):
                 req = reqs[b]
                 req.draft_cached += len(feeds[b])
-                q = logits_to_probs(logits[i], req.params, who=f"drafter '{self.name}'")  # (V,)
-                token = int(q.argmax()) if req.params.greedy else int(sample(q, req.generator))
-                probs[b, j], feeds[b] = q, [token]
+                token = greedy[i] if req.params.greedy else int(sample(q[i], req.generator))
+                feeds[b] = [token]
                 tokens[b].append(token)
         return BatchDraft(tokens, probs)
 

@@ -34,9 +34,13 @@ class FastLlamaLM:
     INITIAL_CAPACITY = 256  # KV positions allocated up front
     offers_hidden = True  # forward_features: logits and the last hidden states
 
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
+                 act_dtype: torch.dtype = torch.float32) -> None:
+        """int8: the same weights quantized to int8 per output row (weight-only; activations in
+        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`)."""
         if not supports(model):
             raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
+        self.int8, self.act_dtype = int8, act_dtype
         cfg = model.config
         self.model = model
         self.name = name
@@ -52,6 +56,9 @@ class FastLlamaLM:
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.final_norm = inner.norm.weight
             self.lm_head = model.lm_head.weight[: self.vocab_size]
+            if int8:
+                self.layers = [self._quantize(w) for w in self.layers]
+                self._head_q = self._quantize({"head": self.lm_head})
             positions = torch.arange(self.max_length, dtype=torch.float)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -65,6 +72,23 @@ class FastLlamaLM:
         self.tokens: list[int] = []
         self.forward_calls = 0
         self.last_hidden = torch.zeros(0)
+
+    def _linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """x @ W.T, with int8 weights (one scale per output row) when the model is quantized."""
+        if self.int8:
+            return torch._weight_int8pack_mm(x.to(self.act_dtype), w[name + ".q"], w[name + ".s"])
+        return x @ w[name].T
+
+    def _quantize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(weights)
+        for name in ("qkv", "o", "gate_up", "down", "head"):
+            if name in weights:
+                w = weights[name].float()
+                scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+                out[name + ".q"] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+                out[name + ".s"] = scale.to(self.act_dtype)
+                del out[name]
+        return out
 
     @property
     def capacity(self) -> int:
@@ -116,7 +140,7 @@ class FastLlamaLM:
         """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) or None = causal."""
         n, hd = h.shape[0], self.head_dim
         w = self.layers[i]
-        qkv = h @ w["qkv"].T  # (n, (Hq + 2 Hkv) hd)
+        qkv = self._linear(h, w, "qkv")  # (n, (Hq + 2 Hkv) hd)
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         cos, sin = self.cos[positions], self.sin[positions]
         q = self._rope(q.view(n, self.n_heads, hd).transpose(0, 1), cos, sin)  # (Hq, n, hd)
@@ -127,7 +151,7 @@ class FastLlamaLM:
         self.v_cache[i, :, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
         out = F.scaled_dot_product_attention(q[None], self.k_cache[i, :, :end][None], self.v_cache[i, :, :end][None],
                                              attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return out[0].transpose(0, 1).reshape(n, self.n_heads * hd) @ w["o"].T
+        return self._linear(out[0].transpose(0, 1).reshape(n, self.n_heads * hd), w, "o")
 
     def _run(self, ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int,
              layers: int | None = None) -> torch.Tensor:
@@ -140,10 +164,12 @@ class FastLlamaLM:
         x = self.embed[torch.tensor(list(ids))]  # (n, D)
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask)
-            gate, up = (self._norm(x, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ w["down"].T
+            gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, w, "down")
         self.forward_calls += 1
         self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
+        if self.int8:
+            return self._linear(self.last_hidden, self._head_q, "head").float()
         return (self.last_hidden @ self.lm_head.T).float()
 
     @staticmethod
@@ -210,4 +236,4 @@ class FastLlamaLM:
         del self.tokens[n:]
 
     def fresh(self) -> FastLlamaLM:
-        return FastLlamaLM(self.model, self.name, self.vocab_size)
+        return FastLlamaLM(self.model, self.name, self.vocab_size, self.int8, self.act_dtype)

@@ -57,6 +57,22 @@ def _feature_drafter(path: str, target: Any, dtype: torch.dtype) -> FeatureDraft
     return FeatureDrafter(head, embed, lm_head, vocab_ids, target.vocab_size, name=_short(path), dtype=dtype)
 
 
+def _int8_drafter(name: str, target: Any, tokenizer: Any, dtype: torch.dtype, trust_remote_code: bool) -> ModelDrafter:
+    """A compressed copy of a model (the target itself when it is named) with int8 weights
+    and its own KV cache, drafting for the full-precision target."""
+    from specdec.fastllama import FastLlamaLM, supports
+
+    if name == target.name:
+        model = target.model
+    else:
+        model, draft_tok = load_pretrained(name, torch.float32, trust_remote_code, role="drafter")
+        shared_vocab_size(target.model, tokenizer, model, draft_tok, target.name, name)
+    if not supports(model):
+        raise ValueError(f"'{name}:int8' needs a plain Llama model (the lean path quantizes it)")
+    return ModelDrafter(FastLlamaLM(model, f"{name}:int8", target.vocab_size, int8=True, act_dtype=dtype),
+                        name=f"{_short(name)}:int8")
+
+
 def _model_drafter(name: str, target: Any, tokenizer: Any, dtype: torch.dtype,
                    trust_remote_code: bool, backend: str) -> ModelDrafter:
     from specdec.api import wrap
@@ -89,6 +105,8 @@ def build_drafters(spec: str, target: Any, tokenizer: Any, dtype: torch.dtype = 
             drafters.append(RetrievalDrafter(_datastore(tokenizer, retrieval_index)))
         elif part.startswith("layerskip"):
             drafters.append(LayerSkipDrafter(target, _layers(part, target, tokenizer)))
+        elif part.endswith(":int8"):
+            drafters.append(_int8_drafter(part[: -len(":int8")], target, tokenizer, dtype, trust_remote_code))
         elif is_feature_prophet(part):
             drafters.append(_feature_drafter(part, target, dtype))
         else:

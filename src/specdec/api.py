@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.defaults import default_drafter, default_target
+from specdec.defaults import default_drafter_for, default_target
 from specdec.engine import SpeculativeDecoder
 from specdec.lm import HFCausalLM, load_pretrained, shared_vocab_size
 from specdec.policy import make_policy
@@ -70,9 +69,8 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     from specdec.drafters import build_drafters
 
     target_name = target or default_target()
-    if draft == "default":  # the bundled drafter only fits the bundled target's vocabulary
-        bundled = Path(target_name).resolve() == Path(default_target()).resolve()
-        draft = default_drafter() if bundled else "none"
+    if draft == "default":  # a shipped prophet only fits the target it was made for
+        draft = default_drafter_for(target_name)
     model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target")
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend)

@@ -1,4 +1,5 @@
-"""Where the bundled demo pair lives (models/ in the repository, or $SPECDEC_MODELS)."""
+"""Where the shipped models live (models/ in the repository, or $SPECDEC_MODELS), and which
+prophet each target gets by default."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def default_target() -> str:
 
 def default_drafter() -> str:
     return str(models_dir() / "drafter")
+
+
+def default_drafter_for(target: str) -> str:
+    """The best shipped prophet for a target: the bundled drafter for the bundled target,
+    the eagle feature prophet for smollm2, and none (plain decoding) for anything else."""
+    from specdec.gguf import is_alias
+
+    if Path(target).resolve() == Path(default_target()).resolve():
+        return default_drafter()
+    if is_alias(target) and (models_dir() / "smollm2-eagle" / "prophet.json").is_file():
+        return str(models_dir() / "smollm2-eagle")
+    return "none"

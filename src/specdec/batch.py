@@ -417,12 +417,83 @@ class BatchEngine:
             running = [r for r in running if not r.done]
         return requests
 
+    def run_jobs(self, decoder: Any, jobs: list[dict[str, Any]]) -> list[Any]:
+        """SpeculativeDecoder.generate_many's batched path: jobs (settings per prompt) ->
+        Generations, prompts encoded and checked by the decoder as `generate` does."""
+        import time as _time
+
+        from specdec.engine import Generation
+        from specdec.stats import Stats
+
+        requests = []
+        for job in jobs:
+            prompt = decoder._chat_or_prompt(job.get("prompt"), job.get("messages"))
+            ids = decoder._encode(prompt)
+            k = job.get("draft_tokens") or decoder.policy.k0
+            requests.append(Request(ids, job.get("max_new_tokens", 128),
+                                    SamplingParams(job.get("temperature", 1.0), job.get("top_k"),
+                                                   job.get("top_p", 1.0)),
+                                    k if self.drafter is not None else 0, job.get("seed")))
+        t0 = _time.perf_counter()
+        events: dict[int, list[StepEvent]] = {id(r): [] for r in requests}
+        width = self.target.slots
+        waiting, running = deque(requests), list[Request]()
+        while waiting or running:
+            while waiting and len(running) < width:
+                running.append(waiting.popleft())
+            for e in self.step(running):
+                events[id(e.request)].append(e)
+            running = [r for r in running if not r.done]
+        wall = _time.perf_counter() - t0
+        out = []
+        for r in requests:
+            evs = events[id(r)]
+            drafted = sum(len(e.drafted) for e in evs)
+            accepted = sum(e.accepted for e in evs)
+            stats = Stats(rounds=len(evs), target_calls=len(evs), drafted=drafted, accepted=accepted,
+                          recovered=sum(e.next_kind == "recovered" for e in evs),
+                          bonus=sum(e.next_kind == "bonus" for e in evs), new_tokens=len(r.generated),
+                          acceptance_rate=accepted / drafted if drafted else 0.0,
+                          tokens_per_round=len(r.generated) / max(1, len(evs)), wall_s=wall,
+                          tokens_per_s=sum(len(q.generated) for q in requests) / wall if wall else 0.0)
+            text = decoder._final_text_of(r.generated)
+            out.append(Generation(text, list(r.generated), list(r.prompt), r.finish_reason or "length", [], stats))
+        return out
+
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
+
+
+def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
+    """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
+    target or prophets have no batched path (a feature prophet, layerskip, several prophets)."""
+    from specdec.drafters.model import ModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.fastllama import supports
+
+    cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
+    if slots in cache:
+        return cache[slots]
+    target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
+    if target_model is None or not supports(target_model) or len(decoder.drafters) > 1:
+        return None
+    drafter: BatchDrafter | None = None
+    if decoder.drafters:
+        d = decoder.drafters[0]
+        if isinstance(d, NgramDrafter):
+            drafter = NgramBatchDrafter(d.n_max, d.n_min)
+        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
+            drafter = ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size))
+        else:
+            return None
+    engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
+                         decoder.eos_token_ids, decoder.tokenizer)
+    cache[slots] = engine
+    return engine
 
 
 __all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "ModelBatchDrafter", "NgramBatchDrafter",

@@ -59,9 +59,52 @@ def _stats_table(stats: Any, title: str) -> Any:
     return t
 
 
+def _read_prompts(path: str, chat: bool) -> list[dict[str, Any]]:
+    """One prompt per line: plain text, or a JSON object with "prompt" or "messages" and its
+    own settings (max_new_tokens, temperature, top_k, top_p, seed, draft_tokens)."""
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"cannot read --prompts-file {path}: {e}") from None
+    if not lines:
+        raise SpecdecError(f"--prompts-file {path} has no prompts")
+    jobs = []
+    for n, line in enumerate(lines, 1):
+        if line.lstrip().startswith("{"):
+            try:
+                job = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(job, dict) or not ({"prompt", "messages"} & set(job)):
+                raise SpecdecError(f'{path}:{n}: a JSON line needs "prompt" or "messages"')
+        else:
+            job = {"messages": [{"role": "user", "content": line}]} if chat else {"prompt": line}
+        jobs.append(job)
+    return jobs
+
+
+def _generate_many(args: argparse.Namespace, decoder: Any, settings: dict[str, Any]) -> int:
+    from rich.console import Console
+
+    jobs = _read_prompts(args.prompts_file, args.chat)
+    settings = {k: v for k, v in settings.items() if k not in ("prompt", "messages")}
+    outs = decoder.generate_many(jobs, max_batch=args.max_batch, **settings)
+    if args.json:
+        print(json.dumps([o.to_dict() for o in outs]))
+        return 0
+    for job, out in zip(jobs, outs, strict=True):
+        print(f"### {job.get('prompt') or job['messages'][-1]['content']}\n{out.text}\n")
+    wall = max(o.stats.wall_s for o in outs)
+    Console(stderr=True).print(f"{len(outs)} prompts, {sum(o.stats.new_tokens for o in outs)} tokens in "
+                               f"{wall:.2f}s ({sum(o.stats.new_tokens for o in outs) / wall:.1f} tokens/s)")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise SpecdecError("give a prompt or --prompts-file FILE (not both)")
     decoder = _load(args)
     settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
@@ -69,6 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         settings["messages"] = [{"role": "user", "content": args.prompt}]
     else:
         settings["prompt"] = args.prompt
+    if args.prompts_file:
+        return _generate_many(args, decoder, settings)
     plain = decoder.plain() if args.compare else None
     if plain is not None:  # warm both sides up (first-call allocations, kernels), so the timed runs are fair
         warm = {**settings, "max_new_tokens": min(8, args.max_new_tokens)}
@@ -214,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text, printing it as it is verified")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("--prompts-file", default=None,
+                   help="many prompts, one per line (text, or JSON with its own settings), run as one batch")
+    g.add_argument("--max-batch", type=int, default=16, help="rows decoded together with --prompts-file")
     _model_args(g)
     _sampling_args(g, temperature=0.0)
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -146,6 +146,29 @@ class SpeculativeDecoder:
         return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
                           req.finish_reason or "length", events, summarize(events))
 
+    def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]], max_batch: int = 16,
+                      **settings: Any) -> list[Generation]:
+        """Generate for many prompts; each may be a dict carrying its own settings
+        ({"prompt" or "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+        "draft_tokens"}), the rest take `settings`. With no drafter, a model drafter or
+        ngram on a Llama target, they run as one batch (specdec.batch: rows join and leave,
+        each accepts its own number of tokens); otherwise (other prophets, stop strings) one
+        after another. Either way each result is what `generate` gives for that prompt alone
+        (greedy: identical tokens)."""
+        items = [dict(p) if isinstance(p, dict) else {"prompt": p} for p in prompts]
+        jobs = [{**settings, **item} for item in items]
+        for job in jobs:
+            unknown = set(job) - {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                  "draft_tokens", "stop"}
+            if unknown:
+                raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
+        from specdec.batch import engine_for
+
+        engine = engine_for(self, max_batch) if not any(job.get("stop") for job in jobs) else None
+        if engine is None:
+            return [self.generate(**job) for job in jobs]
+        return engine.run_jobs(self, jobs)
+
     def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
@@ -399,6 +422,9 @@ class SpeculativeDecoder:
                 break
         req.finish_reason = "stop"
         req.stop_at = pos
+
+    def _final_text_of(self, generated: Sequence[int]) -> str:
+        return self._decode(generated) if self.tokenizer is not None else ""
 
     def _final_text(self, req: _Request) -> str:
         if self.tokenizer is None:

@@ -1,0 +1,48 @@
+"""generate_many and `specdec generate --prompts-file`: many prompts as one batch, each
+result equal to generating it alone."""
+
+import json
+
+import pytest
+
+from specdec import load
+from specdec.cli import main
+
+
+@pytest.mark.parametrize("draft", ["close", "ngram", "none"])
+def test_generate_many_equals_one_at_a_time_greedy(tiny_pair, draft):
+    decoder = load(tiny_pair["target"], draft=tiny_pair[draft] if draft in tiny_pair else draft, draft_tokens=3)
+    prompts = ["def f(", {"prompt": "import os\n", "max_new_tokens": 7, "draft_tokens": 1},
+               [5, 6, 7, 8, 9, 10, 11], {"prompt": "class A:", "max_new_tokens": 30, "draft_tokens": 5}]
+    outs = decoder.generate_many(prompts, max_batch=2, max_new_tokens=20, temperature=0.0)
+    plain = decoder.plain()
+    for p, out in zip(prompts, outs, strict=True):
+        job = p if isinstance(p, dict) else {"prompt": p}
+        want = plain.generate(job["prompt"], max_new_tokens=job.get("max_new_tokens", 20), temperature=0.0)
+        assert out.token_ids == want.token_ids and out.text == want.text and out.finish_reason == want.finish_reason
+
+
+def test_generate_many_with_stop_strings_runs_one_by_one(tiny_pair):
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"])
+    outs = decoder.generate_many(["def f(", "import "], max_new_tokens=12, temperature=0.0, stop=["\n"])
+    for p, out in zip(["def f(", "import "], outs, strict=True):
+        assert out.token_ids == decoder.generate(p, max_new_tokens=12, temperature=0.0, stop=["\n"]).token_ids
+
+
+def test_generate_many_rejects_unknown_settings(tiny_pair):
+    decoder = load(tiny_pair["target"], draft="none")
+    with pytest.raises(ValueError, match="unknown generation setting"):
+        decoder.generate_many([{"prompt": "x", "temprature": 0.5}])
+
+
+def test_prompts_file_cli(tiny_pair, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text('def main():\n{"prompt": "class A:", "max_new_tokens": 5, "temperature": 0}\n')
+    assert main(["generate", "--prompts-file", str(f), "--target", tiny_pair["target"], "--draft",
+                 tiny_pair["close"], "--max-new-tokens", "9", "--temperature", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [len(o["token_ids"]) for o in out] == [9, 5]
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"prompt": \n')
+    assert main(["generate", "--prompts-file", str(bad), "--target", tiny_pair["target"]]) == 2
+    assert "not valid JSON" in capsys.readouterr().err

@@ -244,7 +244,7 @@ class NgramBatchDrafter:
 
     name = "ngram"
 
-    def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min
 
     def room(self, req: Request) -> int:

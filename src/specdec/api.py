@@ -38,6 +38,16 @@ def default_draft_dtype() -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
+def resolve_dtype(name: str) -> torch.dtype:
+    """float32, bfloat16, or auto (bfloat16 where the CPU computes it natively)."""
+    if name == "auto":
+        return default_draft_dtype()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {name!r}")
+    return dtypes[name]
+
+
 def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto") -> Any:
     """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's."""
     from specdec.fastllama import FastLlamaLM, supports

@@ -22,6 +22,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="several drafters: verify a token tree of all drafts, or use the best recent drafter")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="the target's weights (auto: bfloat16 where the CPU computes it natively); greedy output "
+                        "is identical to plain decoding of the target in the same dtype")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                    help="auto: specdec's lean path for plain Llama models, else transformers; hf: always transformers")
 
@@ -34,10 +37,17 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per round")
 
 
+def _dtype(name: str) -> Any:
+    from specdec.api import resolve_dtype
+
+    return resolve_dtype(name)
+
+
 def _load(args: argparse.Namespace) -> Any:
     from specdec.api import load
 
     return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
+                dtype=_dtype(args.dtype),
                 multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
                 backend=args.backend)
 
@@ -345,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-k", type=int, default=4, help="K of the fixed-K configurations")
     b.add_argument("--target", default=None)
     b.add_argument("--drafter", default=None)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="the target's weights for every configuration")
     b.add_argument("--suite", default="auto", choices=["auto", "code", "chat"],
                    help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2)")
     b.set_defaults(func=cmd_bench)

@@ -69,7 +69,8 @@ def _draft_spec(spec: str, drafter_path: str) -> str:
     return "+".join(drafter_path if p == "default" else p for p in spec.split("+"))
 
 
-def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None) -> Runner:
+def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None,
+                dtype: torch.dtype = torch.float32) -> Runner:
     from specdec.api import load
     from specdec.defaults import default_drafter, default_target
 
@@ -80,7 +81,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
     for cfg in configs:
         if cfg.kind == "ours":
             dec = load(target, draft=_draft_spec(cfg.draft, drafter), policy=cfg.policy, draft_tokens=cfg.k,
-                       multi=cfg.multi)
+                       dtype=dtype, multi=cfg.multi)
             runner.decoders[cfg.name] = dec
             plain = plain or dec
     assert plain is not None, "the configurations need plain decoding as the baseline"
@@ -129,7 +130,9 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
-    runner = load_runner(configs, settings, args.target, args.drafter)
+    from specdec.api import resolve_dtype
+
+    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")))
     plain = runner.decoders["plain"]
     tok = plain.tokenizer
     # keep the end of a prompt that would not leave room for the continuation
@@ -184,6 +187,7 @@ def run_bench(args: Any) -> dict[str, Any]:
     modes = [m for m in args.modes.split(",") if m]
     results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
     report = {"command": args.command_line, "machine": machine_info(), "quick": args.quick,
+              "target_dtype": getattr(args, "dtype", "float32"),
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
@@ -191,7 +195,7 @@ def run_bench(args: Any) -> dict[str, Any]:
           f"({'native bf16' if report['machine']['native_bf16'] else 'no native bf16'}), "
           f"{report['machine']['threads']} threads, torch {report['machine']['torch']}, transformers "
           f"{report['machine']['transformers']}; {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
-          f"{args.repeats} repeat(s).\n"]
+          f"{args.repeats} repeat(s); target weights {report['target_dtype']}.\n"]
     for res in results:
         c = res["costs"]
         header = (f"### {res['mode']}\n\nc = t_draft/t_target = {c.get('c', float('nan')):.3f}; verification cost "

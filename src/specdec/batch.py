@@ -15,6 +15,7 @@ of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -295,6 +296,8 @@ class BatchEngine:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
+        # perf_counter spans of the last step's drafting and target forward (for timelines)
+        self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, slots: int = 16,
@@ -327,11 +330,13 @@ class BatchEngine:
         self._admit(active)
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context).
         ks = [self._draft_budget(r) for r in active]
+        d0 = time.perf_counter()
         if self.drafter is not None and any(ks):
             draft = self.drafter.propose(active, ks)
         else:
             draft = BatchDraft([[] for _ in active], None)
         lens = [len(t) for t in draft.tokens]
+        d1 = time.perf_counter()
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         feeds = [r.context[r.target_cached:] + t for r, t in zip(active, draft.tokens, strict=True)]
         logits = self.target.forward([_slot(r) for r in active], [r.target_cached for r in active], feeds,
@@ -339,6 +344,7 @@ class BatchEngine:
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
+        self.last_spans = ((d0, d1), (d1, time.perf_counter()))
         # 4. Ragged verification.
         k_max = max(lens)
         draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens],
@@ -348,6 +354,14 @@ class BatchEngine:
         # 5. Commit per row; finished rows leave and free their slot.
         return [self._commit(r, t, v.n_accepted, v.next_token, v.next_kind)
                 for r, t, v in zip(active, draft.tokens, verdict.rows(), strict=True)]
+
+    def release(self, req: Request) -> None:
+        """Free the cache slot of a request that leaves before it is done (cancelled, or
+        ended by a stop string outside the engine). Safe to call on any request."""
+        if req.slot is not None:
+            self._free.append(req.slot)
+            req.slot = None
+        req.target_cached = req.draft_cached = 0
 
     def _admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]

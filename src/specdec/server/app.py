@@ -42,18 +42,19 @@ class ServerConfig:
     """What the operator allows. Per-request settings must stay within these."""
 
     api_key: str | None = None
-    max_batch: int = 8  # requests generated at once, interleaved round by round
+    max_batch: int = 8  # requests generated at once: rows of one batched step, or interleaved round by round
     max_queue: int = 256  # requests waiting; beyond it, 429
     timeout_s: float | None = 600.0  # per-request deadline, from arrival
     max_body_bytes: int = 2_000_000
     max_tokens: int = 4096  # largest max_tokens a request may ask for
     max_draft_tokens: int = 16  # largest specdec.draft_tokens a request may ask for
+    batched: bool = True  # continuous batching where the prophet has a batched path (else round-robin)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics()
-    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue)
+    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched)
     tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once
 
     @asynccontextmanager
@@ -77,6 +78,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                 "specdec": {"target": decoder.target.name, "draft": prophet, "policy": policy,
                             "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
                             "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
+                            "batching": scheduler.mode, "max_batch": config.max_batch,
                             "chat": bool(getattr(decoder.tokenizer, "chat_template", None))}}
 
     # ----------------------------------------------------------------- validation

@@ -23,6 +23,8 @@ class ServerMetrics:
                                    ["stage"], registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for a slot", registry=r)
         self.batch_size = Gauge("specdec_batch_size", "Requests being generated now", registry=r)
+        self.step_rows = Histogram("specdec_step_batch_size", "Requests in each engine step (1 when not batched)",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.rounds = Counter("specdec_rounds", "Speculation rounds", registry=r)
         self.drafted = Counter("specdec_drafted_tokens", "Tokens proposed by the prophet", registry=r)
         self.accepted = Counter("specdec_accepted_tokens", "Drafted tokens the target accepted", registry=r)

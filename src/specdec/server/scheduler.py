@@ -4,11 +4,19 @@
     async for item in stream: ...       # Round per engine round, then one End
     stream.cancel("disconnect")         # queued: dropped now; running: stopped before its next round
 
-Requests join and leave between rounds. Up to `max_batch` run interleaved, round by round,
-each in a slot with its own decoder over the same weights (its own KV caches), so a
-request's tokens are exactly those it would get alone: nothing but the weights is shared.
-When the engine gains a batched `step(requests)`, `_run_round` is the one place to change:
-the rest (admission, cancellation, deadlines, feeding streams) stays as it is.
+Requests join and leave between rounds (continuous batching). Two ways to run them:
+
+- batched (`specdec.batch.engine_for` gives an engine: a Llama target with one model or
+  ngram prophet, or none): up to `max_batch` requests are rows of ONE `engine.step(rows)`
+  per iteration, one drafting pass and one target forward for all of them, each row
+  accepting its own number of tokens. Each row owns its generator and cache slot, so its
+  tokens are those it would get alone (greedy: exactly). The server decodes each row's
+  text, releases only text that cannot change, and applies stop strings itself. The
+  batched path drafts a fixed K per request (`specdec.draft_tokens`, else the policy's K0).
+- round-robin (any other prophet): up to `max_batch` run interleaved, round by round, each
+  in a slot with its own decoder over the same weights (its own KV caches).
+
+Admission, cancellation, deadlines and feeding streams are shared by both.
 
 The thread never blocks on a client: it posts each item with `loop.call_soon_threadsafe`
 into the request's asyncio queue, and a client that stops reading costs it nothing.
@@ -27,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent, engine_for
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -34,6 +43,7 @@ from specdec.drafters.retrieval import RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
+from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 
 log = logging.getLogger("specdec.server")
@@ -134,6 +144,19 @@ class _Running:
     tokens: int = 0
 
 
+@dataclass(eq=False)
+class _Row:
+    """A request running on the batched engine, with what its stream has been sent."""
+
+    stream: JobStream
+    request: Request
+    t0: float  # perf_counter when it joined: event times are relative to it
+    rounds: int = 0
+    text_sent: int = 0  # characters released so far
+    decoded: int = 0  # characters of its text after the previous step (where stop search resumes)
+    tokens: int = 0
+
+
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
     """A decoder over the same weights with caches of its own, or None if some part of it
     cannot be duplicated (then the server runs one request at a time)."""
@@ -157,16 +180,20 @@ def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
 
 class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, metrics: ServerMetrics, max_batch: int = 8,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256, batched: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.decoder, self.metrics = decoder, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         self.default_k = getattr(decoder.policy, "k", None)
+        # The batched engine where the prophet has a batched path; else round-robin.
+        self.engine: BatchEngine | None = engine_for(decoder, max_batch) if batched else None
+        self.mode = "batched" if self.engine is not None else "round-robin"
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._pending: deque[JobStream] = deque()
         self._running: list[_Running] = []
+        self._rows: list[_Row] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -179,7 +206,7 @@ class Scheduler:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting, {len(self._running)} "
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting, {self._n_running()} "
                                 "running): retry later")
             self._pending.append(stream)
             self.metrics.queue_depth.set(len(self._pending))
@@ -206,7 +233,10 @@ class Scheduler:
 
     def depth(self) -> tuple[int, int]:
         with self._cond:
-            return len(self._pending), len(self._running)
+            return len(self._pending), self._n_running()
+
+    def _n_running(self) -> int:
+        return len(self._running) + len(self._rows)
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -226,11 +256,18 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self._running):
+                    while not (self._stopping or self._pending or self._running or self._rows):
                         self._cond.wait(timeout=1.0)
                     if self._stopping:
                         break
-                    admitted = self._admit()
+                    if self.engine is not None:
+                        self._admit_rows()
+                        admitted = []
+                    else:
+                        admitted = self._admit()
+                if self.engine is not None:
+                    self._step(self.engine)
+                    continue
                 for run in admitted:
                     self._begin(run)
                 for run in list(self._running):
@@ -241,13 +278,17 @@ class Scheduler:
         finally:
             self._shutdown()
 
-    def _admit(self) -> list[_Running]:
-        """Move queued jobs into free slots (with the lock held); drop expired ones."""
-        now, admitted = time.monotonic(), []
+    def _expire_queued(self) -> None:
+        now = time.monotonic()
         for stream in list(self._pending):
             if stream.deadline is not None and now > stream.deadline:
                 self._pending.remove(stream)
                 self._end(stream, End("deadline", "the request timed out in the queue", 503))
+
+    def _admit(self) -> list[_Running]:
+        """Move queued jobs into free slots (with the lock held); drop expired ones."""
+        self._expire_queued()
+        admitted: list[_Running] = []
         while self._pending and len(self._running) < self.max_batch:
             slot = self._take_slot()
             if slot is None:
@@ -302,13 +343,124 @@ class Scheduler:
         if stream.first_token is None and event.committed:
             stream.first_token = time.monotonic()
             self.metrics.ttft.observe(stream.first_token - stream.arrived)
-        stream.post(self._round_item(run, event))
+        self.metrics.step_rows.observe(1)
+        stream.post(self._round_item(stream.job, event))
         if event.finish_reason is not None:
             self._finish(run, End("done"))
 
-    def _round_item(self, run: _Running, event: RoundEvent) -> Round:
+    # ----------------------------------------------------------------- the batched path
+    def _admit_rows(self) -> None:
+        """Queued jobs become rows while there is room (with the lock held); they take an
+        engine cache slot at their first step."""
+        self._expire_queued()
+        while self._pending and len(self._rows) < self.max_batch:
+            stream = self._pending.popleft()
+            job = stream.job
+            k = 0 if job.plain or self.engine is None or self.engine.drafter is None else \
+                (job.draft_tokens or self.decoder.policy.k0)
+            try:
+                req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
+                              job.seed)
+            except (SpecdecError, ValueError) as e:
+                self._end(stream, End("error", str(e), 400))
+                continue
+            stream.started = time.monotonic()
+            self.metrics.queue_wait.observe(stream.started - stream.arrived)
+            self._rows.append(_Row(stream, req, time.perf_counter()))
+        self.metrics.queue_depth.set(len(self._pending))
+        self.metrics.batch_size.set(len(self._rows))
+
+    def _step(self, engine: BatchEngine) -> None:
+        """Drop cancelled and expired rows, then one engine step for all the others."""
+        now = time.monotonic()
+        for row in list(self._rows):
+            if row.stream.cancelled:
+                self._finish_row(engine, row, End("cancelled", row.stream.cancelled))
+            elif row.stream.deadline is not None and now > row.stream.deadline:
+                self._finish_row(engine, row, End("deadline", "the request's deadline passed"))
+        rows = list(self._rows)
+        if not rows:
+            return
+        try:
+            events = engine.step([r.request for r in rows])
+        except Exception as e:  # the whole step failed: every row in it ends, slots freed
+            bad_input = isinstance(e, SpecdecError | ValueError)
+            if not bad_input:
+                log.exception("a batched step of %d requests failed", len(rows))
+            for row in rows:
+                self._finish_row(engine, row, End("error", str(e), 400) if bad_input else
+                                 End("error", f"generation failed: {type(e).__name__}: {e}", 500))
+            return
+        self.metrics.step_rows.observe(len(rows))
+        by_request = {id(r.request): r for r in rows}
+        for event in events:
+            self._post_step(engine, by_request[id(event.request)], event)
+
+    def _post_step(self, engine: BatchEngine, row: _Row, e: StepEvent) -> None:
+        req, stream = row.request, row.stream
+        before = len(req.generated) - len(e.committed)
+        finish = e.finish_reason
+        text = ""
         tok = self.decoder.tokenizer
-        if not run.stream.job.details or tok is None:
+        if tok is not None:
+            text = _decode(tok, req.generated)
+            if stream.job.stop and (cut := self._stop(row, text, before)) is not None:
+                text, finish = text[:cut], "stop"
+                engine.release(req)
+            row.decoded = len(text)
+            if finish is None:
+                text = text.rstrip("\ufffd")
+                if stream.job.stop:
+                    text = text[: max(row.text_sent, len(text) - max(len(s) for s in stream.job.stop) + 1)]
+        delta = text[row.text_sent:]
+        row.text_sent = max(row.text_sent, len(text))
+        committed = req.generated[before:]
+        (draft0, draft1), (target0, target1) = engine.last_spans
+        model_drafter = isinstance(engine.drafter, ModelBatchDrafter)
+        event = RoundEvent(index=row.rounds, drafter=engine.drafter.name if e.drafted and engine.drafter else None,
+                           k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted, next_token=e.next_token,
+                           next_kind=e.next_kind, committed=list(committed),
+                           draft_calls=len(e.drafted) if model_drafter else 0, target_calls=1,
+                           start=draft0 - row.t0, end=time.perf_counter() - row.t0,
+                           draft_spans=[(draft0 - row.t0, draft1 - row.t0)] if e.drafted else [],
+                           target_span=(target0 - row.t0, target1 - row.t0), text=delta, finish_reason=finish)
+        row.rounds += 1
+        row.tokens += len(committed)
+        self.metrics.round(event)
+        if stream.first_token is None and committed:
+            stream.first_token = time.monotonic()
+            self.metrics.ttft.observe(stream.first_token - stream.arrived)
+        stream.post(self._round_item(stream.job, event))
+        if finish is not None:
+            self._finish_row(engine, row, End("done"))
+
+    def _stop(self, row: _Row, text: str, before: int) -> int | None:
+        """Where a stop string begins in the row's text, cutting its tokens to the fewest
+        whose text reaches the end of that stop string; None when none appears."""
+        stops, req = row.stream.job.stop, row.request
+        search_from = max(0, row.decoded - max(len(s) for s in stops))
+        hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)
+        tok = self.decoder.tokenizer
+        for j in range(before + 1, len(req.generated) + 1):
+            if len(_decode(tok, req.generated[:j])) >= pos + len(s):
+                del req.generated[j:]
+                break
+        req.finish_reason = "stop"
+        return pos
+
+    def _finish_row(self, engine: BatchEngine, row: _Row, end: End) -> None:
+        engine.release(row.request)
+        with self._cond:
+            self._rows.remove(row)
+            self.metrics.batch_size.set(len(self._rows))
+        self._end(row.stream, end)
+
+    def _round_item(self, job: Job, event: RoundEvent) -> Round:
+        tok = self.decoder.tokenizer
+        if not job.details or tok is None:
             return Round(event, [], "")
         return Round(event, [tok.decode([t]) for t in event.drafted], tok.decode([event.next_token]))
 
@@ -329,8 +481,13 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         with self._cond:
-            left = [r.stream for r in self._running] + list(self._pending)
+            left = [r.stream for r in self._running] + [r.stream for r in self._rows] + list(self._pending)
             self._running.clear()
+            self._rows.clear()
             self._pending.clear()
         for stream in left:
             self._end(stream, End("shutdown", "the server is shutting down", 503))
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return str(tok.decode(ids, skip_special_tokens=True))

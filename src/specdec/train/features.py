@@ -45,10 +45,20 @@ class FeatureData:
         ids, probs = [], []
         for i in range(0, len(self.hidden), chunk):
             logits = (self.hidden[i : i + chunk] @ w.T).float()
-            top = torch.softmax(logits, -1).topk(k, dim=-1)
+            top = logits.topk(k, dim=-1)  # the largest logits are the largest probabilities
             ids.append(top.indices.to(torch.int32))
-            probs.append(top.values)
+            probs.append(torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True)))
         self.p_ids, self.p_probs = torch.cat(ids), torch.cat(probs)
+
+    def targets_from_cache(self, path: Path, lm_head: torch.Tensor) -> None:
+        """add_targets, saved beside the shards and reused by the next prophet's training."""
+        if path.exists():
+            saved = torch.load(path, weights_only=True)
+            if saved["n"] == len(self.hidden):
+                self.p_ids, self.p_probs = saved["ids"], saved["probs"]
+                return
+        self.add_targets(lm_head)
+        torch.save({"n": len(self.hidden), "ids": self.p_ids, "probs": self.p_probs}, path)
 
 
 def load_shards(data_dir: Path, unroll: int, heldout_every: int = 20, vocab_size: int = 49152) -> FeatureData:
@@ -147,7 +157,7 @@ def heldout_agreement(head: FeatureHead, data: FeatureData, embed: torch.Tensor,
 
 def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch.Tensor, vocab_ids: torch.Tensor,
                cfg: dict[str, Any], ckpt: Path, minutes: float, max_steps: int | None = None,
-               log: Any = print) -> tuple[FeatureHead, dict[str, Any]]:
+               log: Any = print, targets_cache: Path | None = None) -> tuple[FeatureHead, dict[str, Any]]:
     """Train (resuming from ckpt if it exists) for `minutes` of wall time or max_steps."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -163,8 +173,11 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
         log(f"{kind}: resumed at step {step} ({elapsed / 60:.1f} min done)")
     sub_head = lm_head[vocab_ids].to(torch.bfloat16)
     if data.p_ids is None:
-        log("computing the target's distributions at every position (once)")
-        data.add_targets(lm_head)
+        log("the target's distributions at every position (computed once, then cached)")
+        if targets_cache is not None:
+            data.targets_from_cache(targets_cache, lm_head)
+        else:
+            data.add_targets(lm_head)
     position_of = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
     position_of[vocab_ids] = torch.arange(len(vocab_ids))
     g = torch.Generator().manual_seed(int(cfg.get("seed", 0)) + step)

@@ -56,7 +56,7 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
             f"draft vocabulary {len(vocab)} ids covering {coverage:.4f} of answer tokens")
         minutes = train_minutes if train_minutes is not None else float(pc["minutes"])
         head, info = train_head(kind, data, embed, lm_head, vocab, pc, work / f"{kind}.ckpt", minutes, max_steps,
-                                log=log)
+                                log=log, targets_cache=work / "data" / "targets.pt")
         name = f"smollm2-{kind}"
         meta = {"target": paths["target"], "vocab_size": int(lm_head.shape[0]), "draft_vocab": len(vocab),
                 "draft_vocab_coverage": round(coverage, 4), "answer_tokens": data.n_answer_tokens,

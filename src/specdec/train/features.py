@@ -14,6 +14,7 @@ full vocabulary, at each step) is what the model card reports.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -165,11 +166,16 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
     head = FeatureHead(kind, embed.shape[1], int(cfg["rank"]), int(cfg.get("depth", 2)), unroll)
     opt = torch.optim.AdamW(head.parameters(), lr=float(cfg["lr"]), weight_decay=0.0)
     step, elapsed = 0, 0.0
+    eval_every = int(cfg.get("eval_every", 250))
+    best: dict[str, torch.Tensor] | None = None
+    best_score: list[float] = []
+    best_step = 0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, elapsed = int(state["step"]), float(state["elapsed"])
+        best, best_score, best_step = state.get("best"), list(state.get("best_score", [])), state.get("best_step", 0)
         log(f"{kind}: resumed at step {step} ({elapsed / 60:.1f} min done)")
     sub_head = lm_head[vocab_ids].to(torch.bfloat16)
     if data.p_ids is None:
@@ -205,14 +211,21 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
             elapsed = time.perf_counter() - t_start
             bar.update(task, completed=min(elapsed, budget),
                        info=f"step {step} loss {loss.item():.3f} agree {' '.join(f'{a:.2f}' for a in agree)}")
-            if step % 200 == 0:
-                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed},
-                           ckpt)
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed}, ckpt)
+            if step % eval_every == 0:  # keep the head that agrees best on held-out answers (no overfitting)
+                score = heldout_agreement(head, data, embed, lm_head, vocab_ids, unroll, limit=2048)
+                if sum(score) > sum(best_score):
+                    best, best_score, best_step = copy.deepcopy(head.state_dict()), score, step
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                            "best": best, "best_score": best_score, "best_step": best_step}, ckpt)
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                "best": best, "best_score": best_score, "best_step": best_step}, ckpt)
+    if best is not None:
+        head.load_state_dict(best)
+    log(f"{kind}: keeping the head of step {best_step}")
     held = heldout_agreement(head, data, embed, lm_head, vocab_ids, unroll)
     log(f"{kind}: {step} steps in {elapsed / 60:.1f} min; held-out greedy agreement by step: "
         + " ".join(f"{a:.3f}" for a in held))
-    return head, {"steps": step, "minutes": round(elapsed / 60, 1), "heldout_agreement": held,
+    return head, {"steps": step, "best_step": best_step, "minutes": round(elapsed / 60, 1), "heldout_agreement": held,
                   "train_agreement_last_batch": agree}
 
 

@@ -203,13 +203,14 @@ def run_bench(args: Any) -> dict[str, Any]:
         md.append(markdown(res["rows"], res["by_category"], list(CHAT_CATEGORIES if args.chat else CATEGORIES),
                            header))
         table = Table(title=f"specdec bench ({res['mode']})")
-        for key in ["config", "speedup", "min-max", "tok/s", "accept", "tok/round", "pred", "meas/pred", "other",
-                    "same"]:
+        for key in ["config", "speedup", "min-max", "tok/s", "accept", "alpha", "tok/round", "c", "v", "pred",
+                    "meas/pred", "other", "same"]:
             table.add_column(key)
         for r in res["rows"]:
             table.add_row(r["config"], _f(r.get("speedup")), f"{_f(r.get('speedup_min'))}-{_f(r.get('speedup_max'))}",
                           _f(r.get("tokens_per_s"), ".1f"), _f(r.get("acceptance_rate"), ".3f"),
-                          _f(r.get("tokens_per_round")), _f(r.get("predicted_speedup")),
+                          _f(r.get("alpha"), ".3f"), _f(r.get("tokens_per_round")), _f(r.get("c"), ".3f"),
+                          _f(r.get("verify_cost")), _f(r.get("predicted_speedup")),
                           _f(r.get("measured_over_predicted")), _f(r.get("other_fraction"), ".1%"),
                           _f(r.get("identical_to_plain")))
         console.print(table)

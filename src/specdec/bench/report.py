@@ -85,6 +85,9 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
         per_round = drafted / rounds
         draft_s = sum(s["draft_s"] for s in stats) / rounds
         row["c_round"] = draft_s / costs["t_target_1"]
+        calls = sum(s["draft_calls"] for s in stats)
+        if calls:  # one drafting step against one target step (c of the cost model), for every kind of prophet
+            row["c"] = sum(s["draft_s"] for s in stats) / calls / costs["t_target_1"]
         row["verify_cost"] = _v_for(costs, per_round)
         row["predicted_speedup"] = predicted_speedup(a, per_round, draft_s, costs["t_target_1"], row["verify_cost"])
         if row["speedup"]:
@@ -115,7 +118,7 @@ def fmt(x: Any, spec: str = ".2f") -> str:
 COLUMNS = [("config", "config", "s"), ("speedup", "speedup (median)", ".2f"), ("spread", "min-max", "s"),
            ("tokens_per_s", "tok/s", ".1f"), ("acceptance_rate", "accept", ".3f"),
            ("acceptance_rate_per_request", "accept/req", ".3f"), ("alpha", "alpha", ".3f"),
-           ("tokens_per_round", "tok/round", ".2f"),
+           ("tokens_per_round", "tok/round", ".2f"), ("c", "c", ".3f"), ("verify_cost", "v", ".2f"),
            ("target_calls", "target calls", ".1f"), ("draft_calls", "draft calls", ".1f"),
            ("predicted_speedup", "predicted", ".2f"), ("measured_over_predicted", "meas/pred", ".2f"),
            ("other_fraction", "other time", ".1%"), ("identical_to_plain", "same tokens", "s")]

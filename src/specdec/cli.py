@@ -110,6 +110,15 @@ def _generate_many(args: argparse.Namespace, decoder: Any, settings: dict[str, A
     return 0
 
 
+def _greedy_difference(args: argparse.Namespace) -> str:
+    if args.temperature != 0:
+        return ""
+    if args.dtype != "float32":
+        return (" (greedy tokens differ from plain decoding: with a bfloat16 target, scoring several tokens in one "
+                "pass rounds differently from scoring one at a time)")
+    return " (greedy tokens differ from plain decoding)"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -156,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         err.print(f"plain decoding: {base.stats.wall_s:.3f}s for {base.stats.new_tokens} tokens; "
                   f"speculative: {stats.wall_s:.3f}s for {stats.new_tokens}; "
                   f"speedup {base.stats.wall_s / stats.wall_s * stats.new_tokens / max(base.stats.new_tokens, 1):.2f}x"
-                  + (" (identical tokens)" if same else ""))
+                  + (" (identical tokens)" if same else _greedy_difference(args)))
     if args.timeline:
         from specdec.viz import plot_timeline
 

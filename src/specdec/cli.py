@@ -23,8 +23,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="the target's weights (auto: bfloat16 where the CPU computes it natively); greedy output "
-                        "is identical to plain decoding of the target in the same dtype")
+                   help="the target's weights (auto: bfloat16 where the CPU computes it natively). In bfloat16 a "
+                        "pass over K+1 tokens rounds differently from K+1 single steps, so greedy output can "
+                        "differ from plain decoding where two logits nearly tie; float32 is token-identical")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                    help="auto: specdec's lean path for plain Llama models, else transformers; hf: always transformers")
 

@@ -32,6 +32,6 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
         assert got.stats.drafted > 0
 
 
-def test_default_prophet_of_smollm2_is_the_shipped_eagle_head():
+def test_default_prophet_of_smollm2_is_prompt_lookup_with_the_auto_policy():
     decoder = load("smollm2")
-    assert [d.name for d in decoder.drafters] == ["smollm2-eagle"]
+    assert [d.name for d in decoder.drafters] == ["ngram"] and decoder.policy.name == "auto"

@@ -23,12 +23,14 @@ def default_drafter() -> str:
 
 
 def default_drafter_for(target: str) -> str:
-    """The best shipped prophet for a target: the bundled drafter for the bundled target,
-    the eagle feature prophet for smollm2, and none (plain decoding) for anything else."""
+    """The measured best prophet for a target: the bundled drafter for the bundled target;
+    prompt lookup (ngram) for smollm2, which beat its trained feature prophets on the chat
+    benchmark (1.73x against 0.95x greedy with the float32 target, see the README); none
+    (plain decoding) for anything else."""
     from specdec.gguf import is_alias
 
     if Path(target).resolve() == Path(default_target()).resolve():
         return default_drafter()
-    if is_alias(target) and (models_dir() / "smollm2-eagle" / "prophet.json").is_file():
-        return str(models_dir() / "smollm2-eagle")
+    if is_alias(target):
+        return "ngram"
     return "none"

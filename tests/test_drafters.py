@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from specdec import load
 from specdec.check import certify
+from specdec.costmodel import expected_gain
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter, lookup
 from specdec.drafters.retrieval import WIDTH, Datastore, RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
-from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy, expected_gain
+from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
 from specdec.sampling import SamplingParams, sample
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from specdec.costmodel import Costs
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
 from specdec.lm import CausalLM, sync
-from specdec.policy import Costs, Policy, RoundOutcome
+from specdec.policy import Policy, RoundOutcome
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stats import Stats, summarize
 from specdec.verify import DraftTree, verify_chain, verify_tree

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.drafters.base import KeepDrafting
+from specdec.costmodel import Costs, expected_gain
+from specdec.sampling import KeepDrafting
 
 
 @dataclass
@@ -28,21 +29,6 @@ class RoundOutcome:
     draft_s: float
     target_s: float
     draft_calls: int
-
-
-@dataclass
-class Costs:
-    """Measured once per decoder (SpeculativeDecoder.calibrate): seconds per plain target
-    step, per round of K drafted tokens (drafting + verifying K+1 tokens), and that K."""
-
-    t_plain: float
-    t_round: float
-    k: int
-
-    def round_time(self, k: int) -> float:
-        """A round of k drafts, scaled linearly from the measured one (drafting and the
-        extra verified tokens both grow with k)."""
-        return self.t_plain + (self.t_round - self.t_plain) * k / self.k
 
 
 def check_k(k: object) -> int:
@@ -103,14 +89,6 @@ class ConfidencePolicy(Policy):
     def keep_drafting(self) -> KeepDrafting | None:
         threshold = self.threshold
         return lambda q: bool(q.max() >= threshold)
-
-
-def expected_gain(a: float, k: int, c: float, v: float) -> float:
-    """Expected speedup of one round of K drafts over plain decoding (Leviathan et al.),
-    with verification costing v target steps instead of 1."""
-    a = min(max(a, 0.0), 0.999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (k * c + v)
 
 
 class OptimalPolicy(Policy):

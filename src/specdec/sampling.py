@@ -9,9 +9,14 @@ argmax (ties broken toward the lowest id, as `torch.argmax` does).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# Called after each drafted token with that step's q (V,): returning False stops drafting
+# early (the confidence policy).
+KeepDrafting = Callable[[torch.Tensor], bool]
 
 
 class InvalidLogitsError(ValueError):

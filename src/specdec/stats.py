@@ -103,15 +103,3 @@ def summarize(events: Sequence[RoundEvent]) -> Stats:
     s.acceptance_by_position = _position_profile(events)
     s.per_drafter = _per_drafter(events)
     return s
-
-
-def expected_tokens_per_round(a: float, k: float) -> float:
-    """(1 - a^(K+1)) / (1 - a): expected output tokens of a round with i.i.d. acceptance a."""
-    if a >= 1.0:
-        return k + 1
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-def predicted_speedup(a: float, k: float, c: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al.'s walltime gain, with verification costing `verify_cost` target steps."""
-    return expected_tokens_per_round(a, k) / (k * c + verify_cost)

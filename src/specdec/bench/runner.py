@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from specdec.bench.prompts import BenchPrompt
+from specdec.costmodel import expected_tokens_per_round
 from specdec.engine import SpeculativeDecoder
 from specdec.lm import HFCausalLM
-from specdec.stats import expected_tokens_per_round
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,7 @@ def measure_costs(target: HFCausalLM, drafter_lm: HFCausalLM | None, context: li
 
 def predicted_speedup(a: float, drafted_per_round: float, draft_s_per_round: float, t_target_1: float,
                       v: float) -> float:
-    """Leviathan et al.'s walltime gain from the measured acceptance rate, with the draft
-    cost and the verification cost as measured."""
+    """specdec.costmodel's gain with the draft time per round measured instead of K c."""
     return expected_tokens_per_round(a, drafted_per_round) / (draft_s_per_round / t_target_1 + v)
 
 

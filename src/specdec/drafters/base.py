@@ -10,11 +10,10 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import KeepDrafting, SamplingParams, logits_to_probs, sample
 
-# Called after each drafted token with that step's q (V,) (one-hot for a greedy drafter):
+# KeepDrafting (sampling.py): called after each drafted token with that step's q (V,);
 # returning False stops drafting early (the confidence policy).
-KeepDrafting = Callable[[torch.Tensor], bool]
 
 
 @dataclass

@@ -58,7 +58,7 @@ def choose_layers(target: Any, calibration_ids: list[int], k: int = 4,
     hidden states; the target's own norm and head turn each into early-exit predictions,
     whose greedy agreement a_L with the full model, at a cost c_L ~ L / layers of a
     target step, gives the expected gain of drafting K tokens. Returns (best L, table)."""
-    from specdec.policy import expected_gain
+    from specdec.costmodel import expected_gain
 
     model = target.model
     n_layers = model.config.num_hidden_layers

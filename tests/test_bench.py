@@ -3,8 +3,8 @@ safety rules (greedy identity before any ratio), not its timings."""
 
 import json
 
-from specdec.bench.prompts import CATEGORIES, build_suite
 from specdec.cli import main
+from specdec.data.prompts import CATEGORIES, build_suite
 
 
 def test_prompt_suite_is_deterministic_and_labelled():
@@ -12,7 +12,7 @@ def test_prompt_suite_is_deterministic_and_labelled():
     assert a == b
     assert {p.category for p in a} == set(CATEGORIES)
     held = {p.source.split(":")[0] for p in a}
-    split = __import__("specdec.train.corpus", fromlist=["list_files"]).list_files(4, "specdec-split-v1")
+    split = __import__("specdec.data.corpus", fromlist=["list_files"]).list_files(4, "specdec-split-v1")
     heldout = {f.relpath for f in split if f.heldout}
     assert held <= heldout
 

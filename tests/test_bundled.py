@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from specdec import load
-from specdec.bench.prompts import build_suite
 from specdec.check import certify
+from specdec.data.prompts import build_suite
 from specdec.defaults import default_drafter, default_target
 
 MODELS = Path(default_target()).parent

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import load
 from specdec.cli import main
-from specdec.train.corpus import list_files, stdlib_root
+from specdec.data.corpus import list_files, stdlib_root
 
 LOOP = """seq_len = 64
 batch_size = 2

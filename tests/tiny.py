@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.train.corpus import list_files, read_text
+from specdec.data.corpus import list_files, read_text
 from specdec.train.tokenizer import train_tokenizer
 
 

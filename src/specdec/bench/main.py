@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from specdec.bench.prompts import CATEGORIES, build_suite
 from specdec.bench.report import by_category, markdown, plots, summarize_config
 from specdec.bench.report import fmt as _f
 from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
-from specdec.chatprompts import CHAT_CATEGORIES, chat_prompts
+from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
+from specdec.data.prompts import CATEGORIES, build_suite
 from specdec.gguf import is_alias
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations

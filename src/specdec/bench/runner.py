@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from specdec.bench.prompts import BenchPrompt
 from specdec.costmodel import expected_tokens_per_round
+from specdec.data.prompts import BenchPrompt
 from specdec.engine import SpeculativeDecoder
 from specdec.lm import HFCausalLM
 

@@ -14,7 +14,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 
-from specdec.train.corpus import list_files, read_text
+from specdec.data.corpus import list_files, read_text
 
 CHAT_CATEGORIES = ("instruct", "code", "summary", "copy")
 SPLIT = (4, "specdec-split-v1")  # the bundled corpus split (configs/bundled.toml [corpus])

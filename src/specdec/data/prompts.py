@@ -7,7 +7,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from specdec.train.corpus import list_files, read_text
+from specdec.data.corpus import list_files, read_text
 
 DEFAULT_SPLIT = (4, "specdec-split-v1")  # configs/bundled.toml [corpus]
 CATEGORIES = ("code", "prose", "grounded", "symbols")

@@ -23,7 +23,7 @@ __all__ = ["Draft", "Drafter", "FeatureDrafter", "ModelDrafter", "NgramDrafter",
 def _layers(part: str, target: Any, tokenizer: Any) -> int:
     """layerskip:L, or plain `layerskip` (= layerskip:auto) for the L that measurement favours."""
     if part in ("layerskip", "layerskip:auto"):
-        from specdec.bench.prompts import build_suite
+        from specdec.data.prompts import build_suite
 
         calibration = "\n".join(p.text for p in build_suite(1))
         return choose_layers(target, list(tokenizer(calibration)["input_ids"]))[0]

@@ -155,7 +155,7 @@ def build_default_datastore(tokenizer: Any, out: Path, heldout_percent: float = 
     """Tokenize the training split of the stdlib (never the held-out files) and index it."""
     from rich.progress import Progress
 
-    from specdec.train.corpus import list_files, read_text
+    from specdec.data.corpus import list_files, read_text
 
     files = [f for f in list_files(heldout_percent, seed) if not f.heldout]
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

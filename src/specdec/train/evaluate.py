@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.bench.prompts import build_suite
+from specdec.data.corpus import list_files, read_text
+from specdec.data.prompts import build_suite
 from specdec.lm import HFCausalLM
-from specdec.train.corpus import list_files, read_text
 from specdec.train.lm import fixed_eval_windows, heldout_loss
 
 SPLIT = (4, "specdec-split-v1")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.train import corpus as corpus_mod
+from specdec.data import corpus as corpus_mod
 from specdec.train.lm import fixed_eval_windows, heldout_loss, loop_settings, make_llama, run_loop
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdec.chatprompts import chat_prompts
+from specdec.data.chat import chat_prompts
 
 
 def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from specdec.train.corpus import EOS_TOKEN
+from specdec.data.corpus import EOS_TOKEN
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int, min_frequency: int, out_dir: Path) -> None:

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.ngram import lookup
-from specdec.fastllama import FastLlamaLM, supports
+from specdec.events import finish_reason
+from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -47,33 +48,15 @@ class BatchLM(Protocol):
         ...
 
 
-class BatchLlama:
+class BatchLlama(LlamaWeights):
     """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache slot per row."""
 
     INITIAL_CAPACITY = 256  # KV positions per slot allocated up front; grows by doubling
 
     def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None) -> None:
-        if not supports(model):
-            raise ValueError(f"'{name}' is not a plain Llama model")
-        cfg = model.config
-        self.name, self.slots = name, slots
-        self.vocab_size = vocab_size or cfg.vocab_size
-        self.max_length = int(cfg.max_position_embeddings)
-        self.eps = cfg.rms_norm_eps
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        inner = model.model
-        with torch.no_grad():
-            self.embed = inner.embed_tokens.weight
-            self.layers = [FastLlamaLM._layer_weights(layer) for layer in inner.layers]
-            self.final_norm = inner.norm.weight
-            self.lm_head = model.lm_head.weight[: self.vocab_size]  # tied embeddings: the same tensor
-            positions = torch.arange(self.max_length, dtype=torch.float)
-            freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
-            dtype = self.embed.dtype
-            self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+        super().__init__(model, name, vocab_size)
+        self.slots = slots
+        dtype = self.embed.dtype
         shape = (len(self.layers), slots, self.n_kv, min(self.INITIAL_CAPACITY, self.max_length), self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)  # (L, S, Hkv, T, hd)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -90,12 +73,6 @@ class BatchLlama:
         k[:, :, :, :capacity], v[:, :, :, :capacity] = self.k_cache, self.v_cache
         self.k_cache, self.v_cache = k, v
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as Llama computes it (in float32). x (..., D)."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
-
     def _attention(self, i: int, h: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """h (B, n, D) at positions (B, n); write = (valid (B, n), slot (m,), position (m,)) of
@@ -104,8 +81,8 @@ class BatchLlama:
         w = self.layers[i]
         q, k, v = (h @ w["qkv"].T).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
-        q = FastLlamaLM._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
-        k = FastLlamaLM._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
+        q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
+        k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
         valid, slot_of, pos_of = write
         # Written by position: entries past a row's committed length are stale, overwritten later.
         self.k_cache[i][slot_of, :, pos_of] = k.transpose(1, 2)[valid]  # (m, Hkv, hd)
@@ -394,12 +371,8 @@ class BatchEngine:
         before = len(req.context)
         for token in [*drafted[:n_accepted], next_token]:
             req.generated.append(token)
-            if token in self.eos_token_ids:
-                req.finish_reason = "eos"
-            elif len(req.generated) >= req.max_new_tokens:
-                req.finish_reason = "length"
-            elif len(req.context) >= self.target.max_length:
-                req.finish_reason = "context"
+            req.finish_reason = finish_reason(token, len(req.generated), len(req.context), self.eos_token_ids,
+                                              req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
@@ -487,7 +460,6 @@ def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
     target or prophets have no batched path (a feature prophet, layerskip, several prophets)."""
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.ngram import NgramDrafter
-    from specdec.fastllama import supports
 
     cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
     if slots in cache:

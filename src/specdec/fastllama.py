@@ -30,17 +30,13 @@ def supports(model: Any) -> bool:
             and cfg.hidden_act == "silu")
 
 
-class FastLlamaLM:
-    INITIAL_CAPACITY = 256  # KV positions allocated up front
-    offers_hidden = True  # forward_features: logits and the last hidden states
+class LlamaWeights:
+    """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
+    plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm."""
 
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32) -> None:
-        """int8: the same weights quantized to int8 per output row (weight-only; activations in
-        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`)."""
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
         if not supports(model):
             raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
-        self.int8, self.act_dtype = int8, act_dtype
         cfg = model.config
         self.model = model
         self.name = name
@@ -55,16 +51,56 @@ class FastLlamaLM:
             self.embed = inner.embed_tokens.weight
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.final_norm = inner.norm.weight
-            self.lm_head = model.lm_head.weight[: self.vocab_size]
-            if int8:
-                self.layers = [self._quantize(w) for w in self.layers]
-                self._head_q = self._quantize({"head": self.lm_head})
+            self.lm_head = model.lm_head.weight[: self.vocab_size]  # tied embeddings: the same tensor
             positions = torch.arange(self.max_length, dtype=torch.float)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
             scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+
+    @staticmethod
+    def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
+        att, mlp = layer.self_attn, layer.mlp
+        return {
+            "in_norm": layer.input_layernorm.weight,
+            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
+            "o": att.o_proj.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+            "down": mlp.down_proj.weight,
+        }
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as Llama computes it (in float32). x (..., D)."""
+        if x.dtype == torch.float32:  # one fused op instead of six
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (..., n, hd), cos/sin (n, hd)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class FastLlamaLM(LlamaWeights):
+    INITIAL_CAPACITY = 256  # KV positions allocated up front
+    offers_hidden = True  # forward_features: logits and the last hidden states
+
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
+                 act_dtype: torch.dtype = torch.float32) -> None:
+        """int8: the same weights quantized to int8 per output row (weight-only; activations in
+        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`)."""
+        super().__init__(model, name, vocab_size)
+        self.int8, self.act_dtype = int8, act_dtype
+        if int8:
+            with torch.no_grad():
+                self.layers = [self._quantize(w) for w in self.layers]
+                self._head_q = self._quantize({"head": self.lm_head})
         # The KV buffer grows with the request (doubling, up to the context), instead of being
         # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
         self.k_cache = self.v_cache = torch.zeros(0)
@@ -107,33 +143,6 @@ class FastLlamaLM:
             k[:, :, : self.capacity] = self.k_cache
             v[:, :, : self.capacity] = self.v_cache
         self.k_cache, self.v_cache = k, v
-
-    @staticmethod
-    def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
-        att, mlp = layer.self_attn, layer.mlp
-        return {
-            "in_norm": layer.input_layernorm.weight,
-            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
-            "o": att.o_proj.weight,
-            "post_norm": layer.post_attention_layernorm.weight,
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-            "down": mlp.down_proj.weight,
-        }
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as Llama computes it (in float32). x (n, D)."""
-        if x.dtype == torch.float32:  # one fused op instead of six
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (H, n, hd), cos/sin (n, hd)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
     def _attention(self, i: int, h: torch.Tensor, start: int, positions: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:

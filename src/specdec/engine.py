@@ -22,7 +22,7 @@ import torch
 from specdec.costmodel import Costs
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
-from specdec.events import RoundEvent
+from specdec.events import RoundEvent, finish_reason
 from specdec.lm import CausalLM, sync
 from specdec.policy import Policy, RoundOutcome
 from specdec.sampling import SamplingParams, logits_to_probs
@@ -384,12 +384,8 @@ class SpeculativeDecoder:
         before = len(req.context)
         for token in [*accepted, event.next_token]:
             req.context.append(token)
-            if token in self.eos_token_ids:
-                req.finish_reason = "eos"
-            elif len(req.generated) >= req.max_new_tokens:
-                req.finish_reason = "length"
-            elif len(req.context) >= self.target.max_length:
-                req.finish_reason = "context"
+            req.finish_reason = finish_reason(token, len(req.generated), len(req.context), self.eos_token_ids,
+                                              req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
         if req.stop:

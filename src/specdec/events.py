@@ -45,3 +45,16 @@ class RoundEvent:
         d = asdict(self)
         d.update(draft_s=self.draft_s, target_s=self.target_s, wall_s=self.wall_s)
         return d
+
+
+def finish_reason(token: int, n_generated: int, n_context: int, eos_token_ids: set[int], max_new_tokens: int,
+                  max_length: int) -> str | None:
+    """Why a generation ends after appending `token` (checked token by token as a round's
+    tokens are committed): "eos", "length" (max_new_tokens) or "context"; None to go on."""
+    if token in eos_token_ids:
+        return "eos"
+    if n_generated >= max_new_tokens:
+        return "length"
+    if n_context >= max_length:
+        return "context"
+    return None

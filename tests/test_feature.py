@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec.drafters.feature import FeatureDrafter, FeatureHead, load_head, save_head
+from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
 from specdec.toy import MarkovLM
@@ -41,6 +42,19 @@ def test_auto_policy_with_a_feature_prophet_is_exact():
     decoder = SpeculativeDecoder(target, toy_prophet(target, "eagle", (0, 1, 2, 3, 4)), policy=AutoPolicy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert result.passed, result
+
+
+@pytest.mark.parametrize("policy", [Policy(3), AutoPolicy(3)], ids=["fixed", "auto"])
+def test_prompt_lookup_first_then_a_feature_prophet_is_exact(policy):
+    """multi="first": ngram drafts where the context repeats, the feature prophet elsewhere;
+    the choice depends on the committed context only, so the loop stays exact."""
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    prophets = [NgramDrafter(n_max=2, n_min=1), toy_prophet(target, "eagle", (0, 1, 2, 3, 4))]
+    decoder = SpeculativeDecoder(target, prophets, policy=policy, multi="first")
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
+    assert result.passed, result
+    who = {e.drafter for seed in range(30) for e in decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=seed).events}
+    assert {"ngram", "eagle"} <= who  # both really drafted
 
 
 def test_a_draft_never_proposes_outside_its_vocabulary(tmp_path):

@@ -59,7 +59,7 @@ def test_policies_are_lossless(policy):
     assert result.passed, result
 
 
-@pytest.mark.parametrize("multi", ["tree", "best"])
+@pytest.mark.parametrize("multi", ["tree", "best", "first"])
 def test_several_drafters_are_lossless(multi):
     target, good, bad = models()
     decoder = SpeculativeDecoder(target, [ModelDrafter(good), ModelDrafter(bad)], policy=Policy(3), multi=multi)

@@ -1,7 +1,12 @@
-"""The auto policy: plain steps while the measured costs and this request's acceptance
-predict no gain, drafting again after a pause; nothing carries over between requests."""
+"""The auto policy: the K the measured costs and this request's acceptance predict to pay
+most, plain steps while none pays, drafting again after a pause; nothing carries over
+between requests."""
 
-from specdec.costmodel import Costs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specdec.costmodel import Costs, expected_tokens_per_round
 from specdec.policy import AdaptivePolicy, AutoPolicy, RoundOutcome
 
 
@@ -13,20 +18,30 @@ def plain_round():
     return RoundOutcome(drafted=0, accepted=0, draft_s=0.0, target_s=0.0, draft_calls=0)
 
 
-def test_auto_pauses_when_drafting_cannot_pay_and_tries_again():
-    policy = AutoPolicy(4, min_rounds=4)
-    policy.costs = Costs(t_plain=1.0, t_round=2.0, k=4)  # a round of 4 drafts costs two plain steps
+EXPENSIVE = Costs(t_plain=1.0, t_verify={1: 1.0, 2: 1.5, 5: 2.0}, t_draft=0.25)  # a round costs >= 1.75 steps
+# Shaped like SmolLM2's measured curve on this CPU: 2-3 tokens cost about one step, 5 cost 1.6.
+STEP_CURVE = Costs(t_plain=1.0, t_verify={1: 1.0, 2: 1.04, 3: 1.1, 4: 1.45, 5: 1.6}, t_draft=0.05)
+
+
+def auto(costs, k=4, **kw):
+    policy = AutoPolicy(k, **kw)
+    policy.costs = costs
     policy.reset()
-    for _ in range(4):
-        assert policy.next_k() == 4
-        policy.observe(drafted_round(4, 0))  # 1 token per round < 2: predicted gain 0.5
-    assert policy.gains[-1] == 0.5
+    return policy
+
+
+def test_auto_pauses_when_drafting_cannot_pay_and_tries_again():
+    policy = auto(EXPENSIVE, min_rounds=2)
+    for _ in range(2):
+        assert policy.next_k() > 0
+        policy.observe(drafted_round(policy.next_k(), 0))  # nothing accepted
+    assert policy.gains[-1] < 1
     for _ in range(4):  # the first pause: 4 plain steps
         assert policy.next_k() == 0
         policy.observe(plain_round())
-    assert policy.next_k() == 4  # then it drafts again
-    for _ in range(4):
-        policy.observe(drafted_round(4, 0))
+    assert policy.next_k() > 0  # then it drafts again, from the prior
+    while policy.next_k() > 0:
+        policy.observe(drafted_round(policy.next_k(), 0))
     paused = 0
     while policy.next_k() == 0:
         policy.observe(plain_round())
@@ -34,14 +49,31 @@ def test_auto_pauses_when_drafting_cannot_pay_and_tries_again():
     assert paused == 8  # the pause doubles
 
 
-def test_auto_keeps_drafting_when_it_pays():
-    policy = AutoPolicy(4, min_rounds=4)
-    policy.costs = Costs(t_plain=1.0, t_round=1.2, k=4)
-    policy.reset()
+def test_auto_follows_acceptance_along_the_measured_curve():
+    low, high = auto(STEP_CURVE), auto(STEP_CURVE)
     for _ in range(20):
-        assert policy.next_k() == 4
-        policy.observe(drafted_round(4, 3))  # 4 tokens per round: gain 3.3
-    assert min(policy.gains) > 3
+        k = low.next_k()
+        low.observe(drafted_round(k, 1 if k > 1 else 0))  # about one in two positions accepted
+        high.observe(drafted_round(high.next_k(), high.next_k()))  # everything accepted
+    assert low.next_k() == 2  # past 3 scored tokens the pass gets dearer than more drafts pay
+    assert high.next_k() == 4 and min(high.gains[3:]) > 2.5
+    assert min(low.gains) > 1
+
+
+@given(a=st.floats(0.0, 0.999), k_max=st.integers(1, 12), t_draft=st.floats(0.0, 0.5),
+       slope=st.floats(0.0, 0.5), jump=st.floats(0.0, 1.0))
+def test_best_k_is_the_argmax_of_the_cost_model(a, k_max, t_draft, slope, jump):
+    costs = Costs(1.0, {1: 1.0, 3: 1.0 + 2 * slope, 4: 1.0 + 3 * slope + jump, 8: 1.0 + 7 * slope + jump}, t_draft)
+    k, gain = costs.best_k(a, k_max)
+    brute = [expected_tokens_per_round(a, j) / (j * t_draft + costs.verify_time(j + 1)) for j in range(1, k_max + 1)]
+    assert 1 <= k <= k_max and gain == pytest.approx(max(brute))
+
+
+def test_verify_time_interpolates_and_extrapolates():
+    costs = Costs(1.0, {1: 1.0, 3: 2.0, 5: 4.0}, 0.0)
+    assert [costs.verify_time(n) for n in (1, 2, 3, 4, 5, 7)] == [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    with pytest.raises(ValueError):
+        Costs(1.0, {}, 0.0)
 
 
 def test_nothing_carries_over_between_requests():
@@ -53,11 +85,26 @@ def test_nothing_carries_over_between_requests():
     assert policy.k == 5
     policy.reset()  # the next request without one: the decoder's K, not the last request's
     assert policy.k == 3
-    auto = AutoPolicy(4)
-    auto.costs = Costs(1.0, 2.0, 4)
-    auto.reset()
+    policy = auto(EXPENSIVE)
+    first = policy.next_k()
     for _ in range(4):
-        auto.observe(drafted_round(4, 0))
-    assert auto.next_k() == 0
-    auto.reset()
-    assert auto.next_k() == 4 and auto.gains == []
+        policy.observe(drafted_round(policy.next_k() or 1, 0))
+    assert policy.next_k() == 0
+    policy.reset()
+    assert policy.next_k() == first and policy.gains == []
+    policy.reset(2)  # a request's K bounds what auto may choose
+    assert policy.next_k() <= 2
+
+
+def test_auto_keeps_evidence_per_prophet():
+    costs = Costs(1.0, {1: 1.0, 2: 1.04, 3: 1.1, 5: 1.6}, 0.05, t_draft_by={"lookup": 0.0, "model": 0.2})
+    policy = auto(costs)
+    for _ in range(6):
+        k = policy.next_k("lookup")
+        policy.observe(RoundOutcome(k, k, 0.0, 0.0, 0, "lookup"))  # all accepted
+        k = policy.next_k("model")
+        if k:
+            policy.observe(RoundOutcome(k, 0, 0.0, 0.0, k, "model"))  # nothing accepted
+    assert policy.next_k("lookup") == 4 and policy.acceptance("lookup") > 0.8
+    assert policy.next_k("model") == 0  # this prophet pauses; the other goes on
+    assert costs.round_time(2, "model") == pytest.approx(0.4 + 1.1)

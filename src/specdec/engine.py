@@ -59,6 +59,7 @@ class _Request:
     stop_at: int | None = None  # character where a stop string begins
     text_sent: int = 0  # characters of text already released to the stream
     hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
+    recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
 
     @property
     def generated(self) -> list[int]:
@@ -101,7 +102,10 @@ class SpeculativeDecoder:
 
     With several drafters, `multi="tree"` merges their drafts into one token tree verified
     exactly in one target pass; `multi="best"` lets the drafter with the best recent
-    acceptance draft alone each round.
+    tokens per round (in this request) draft alone each round; `multi="first"` asks them in
+    order and verifies the first non-empty draft (e.g. "ngram+eagle": prompt lookup where it
+    finds a match, the trained prophet elsewhere). Which prophet drafts depends only on the
+    committed context, so every mode stays exact.
     """
 
     def __init__(self, target: CausalLM, drafters: Drafter | Sequence[Drafter] | None = None,
@@ -111,8 +115,8 @@ class SpeculativeDecoder:
             drafters = []
         elif not isinstance(drafters, Sequence):
             drafters = [drafters]
-        if multi not in ("tree", "best"):
-            raise ValueError(f"multi must be 'tree' or 'best', got {multi!r}")
+        if multi not in ("tree", "best", "first"):
+            raise ValueError(f"multi must be 'tree', 'best' or 'first', got {multi!r}")
         for d in drafters:
             if d.vocab_size is not None and d.vocab_size != target.vocab_size:
                 raise ValueError(f"drafter '{d.name}' scores {d.vocab_size} ids, the target {target.vocab_size}")
@@ -122,13 +126,13 @@ class SpeculativeDecoder:
         self.policy = policy or Policy(5)
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
-        self._recent = {d.name: 1.0 for d in self.drafters}  # running tokens/round, for multi="best"
         self._feature_readers = [d for d in self.drafters if d.reads_features]
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
                              f"'{self._feature_readers[0].name}' drafts from")
         if self._feature_readers and multi == "tree" and len(self.drafters) > 1:
-            raise ValueError("a feature prophet combines with other prophets only with multi='best' (--multi best)")
+            raise ValueError("a feature prophet combines with other prophets only with multi='first' or 'best' "
+                             "(--multi first)")
 
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:
@@ -208,12 +212,13 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        gen = torch.Generator()
+        gen = torch.Generator(device=self.target.device)  # the verifier's random numbers live with the logits
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         for d in self.drafters:
             d.reset()
         self.target.truncate(0)
-        return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter())
+        return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter(),
+                        recent={d.name: 1.0 for d in self.drafters})
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""
@@ -239,20 +244,25 @@ class SpeculativeDecoder:
         return prompt
 
     def calibrate(self, n_context: int = 64, repeats: int = 3) -> Costs:
-        """Time, once, a plain target step and a round of K drafts (drafting, then verifying
-        K+1 tokens) on a neutral context; the auto policy decides from these costs."""
+        """Time, once, a plain target step, target passes scoring n = 2.. tokens (up to a
+        round of the policy's largest K) and a drafting step of each prophet, on a neutral
+        context; the auto policy chooses K from these costs."""
         import statistics
 
         k = self.policy.k0
-        n = max(2, min(n_context, self.target.max_length - (k + 2) * max(1, len(self.drafters)) - 2))
+        width = len(self.drafters) if self.multi == "tree" else 1  # a tree scores every prophet's chain
+        n_max = 1 + width * k
+        n = max(2, min(n_context, self.target.max_length - n_max - k - 2))
         ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]
-        greedy, gen = SamplingParams(0.0), torch.Generator().manual_seed(0)
+        greedy, gen = SamplingParams(0.0), torch.Generator(device=self.target.device).manual_seed(0)
         self.target.truncate(0)
         for d in self.drafters:
             d.reset()
         self.target.forward(ctx, 1)  # prefill, and a warm-up
 
         def timed(fn: Any) -> float:
+            fn()  # warm-up: the first pass of a new size is slower
+            self.target.truncate(n)
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -261,10 +271,9 @@ class SpeculativeDecoder:
                 self.target.truncate(n)
             return statistics.median(times)
 
-        n_scored = 1 + k * len(self.drafters)  # a token tree of several drafts is scored in one pass
-        t_plain = timed(lambda: self.target.forward([ctx[-1]], 1))
-        t_verify = timed(lambda: self.target.forward([ctx[-1]] * n_scored, n_scored))
-        t_draft = 0.0
+        sizes = sorted({size for size in (*range(1, min(n_max, 9) + 1), (9 + n_max) // 2, n_max) if size <= n_max})
+        t_verify = {size: timed(lambda size=size: self.target.forward([ctx[-1]] * size, size)) for size in sizes}
+        step_times = []
         for d in self.drafters:
             if d.reads_features:
                 _, hidden = self.target.forward_features([ctx[-1]], 1)
@@ -278,11 +287,13 @@ class SpeculativeDecoder:
                 t0 = time.perf_counter()
                 d.propose(ctx + [ctx[-1]], k, greedy, gen)
                 times.append(time.perf_counter() - t0)
-            t_draft += statistics.median(times)
+            step_times.append(statistics.median(times) / k)
         self.target.truncate(0)
         for d in self.drafters:
             d.reset()
-        return Costs(t_plain, t_draft + t_verify, k)
+        t_draft = sum(step_times) if width > 1 else max(step_times, default=0.0)
+        by_name = {d.name: t for d, t in zip(self.drafters, step_times, strict=True)}
+        return Costs(t_verify[1], t_verify, t_draft, width, by_name if width == 1 else {})
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -301,17 +312,17 @@ class SpeculativeDecoder:
         return ids
 
     # ----------------------------------------------------------------- one round
-    def _draft_budget(self, req: _Request) -> int:
-        """K for this round: the policy's, cut so a round can never overshoot max_new_tokens
-        (a round yields up to K+1 tokens) or the target's context."""
+    def _draft_budget(self, req: _Request, prophet: str | None = None) -> int:
+        """K for this round (of `prophet`): the policy's, cut so a round can never overshoot
+        max_new_tokens (a round yields up to K+1 tokens) or the target's context."""
         remaining = req.max_new_tokens - len(req.generated)
         room = self.target.max_length - len(req.context)
-        return max(0, min(self.policy.next_k(), remaining - 1, room))
+        return max(0, min(self.policy.next_k(prophet), remaining - 1, room))
 
     def _round(self, req: _Request, index: int) -> RoundEvent:
+        """draft -> score and verify -> commit -> record."""
         start = time.perf_counter()
-        k = self._draft_budget(req) if self.drafters else 0
-        drafts = self._propose(req, k) if k > 0 else []
+        k, drafts, prophet = self._propose(req)
         if len(drafts) <= 1:
             event = self._verify_chain(req, drafts[0] if drafts else None, k, start, index)
         else:
@@ -319,17 +330,36 @@ class SpeculativeDecoder:
         self._commit(req, event)
         event.end = time.perf_counter() - req.t0
         self.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
-                                         event.draft_calls))
-        if event.drafter in self._recent:
-            self._recent[event.drafter] = 0.8 * self._recent[event.drafter] + 0.2 * (event.accepted + 1)
+                                         event.draft_calls, prophet))
+        if event.drafter in req.recent:
+            req.recent[event.drafter] = 0.8 * req.recent[event.drafter] + 0.2 * (event.accepted + 1)
         return event
 
-    def _propose(self, req: _Request, k: int) -> list[Draft]:
-        active = self.drafters
-        if self.multi == "best" and len(active) > 1:
-            active = [max(active, key=lambda d: self._recent[d.name])]
-        drafts = [d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting()) for d in active]
-        return [d for d in drafts if len(d)]
+    def _propose(self, req: _Request) -> tuple[int, list[Draft], str | None]:
+        """This round's K, its non-empty drafts and the prophet the policy keeps evidence
+        for: every prophet's drafts ("*", a tree), the best recent one's, or the first
+        prophet's that proposes something."""
+        if not self.drafters:
+            return 0, [], None
+        if self.multi == "tree" or len(self.drafters) == 1:
+            prophet = self.drafters[0].name if len(self.drafters) == 1 else "*"
+            k = self._draft_budget(req, prophet)
+            if k == 0:
+                return 0, [], None
+            drafts = [d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting())
+                      for d in self.drafters]
+            return k, [d for d in drafts if len(d)], prophet
+        order = self.drafters
+        if self.multi == "best":
+            order = [max(self.drafters, key=lambda d: req.recent[d.name])]
+        for d in order:
+            k = self._draft_budget(req, d.name)
+            if k == 0:
+                continue
+            draft = d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting())
+            if len(draft):
+                return k, [draft], d.name
+        return 0, [], None
 
     def _score(self, req: _Request, drafted: list[int]) -> torch.Tensor:
         """p_1..p_{K+1}: (K+1, V), from one target forward pass."""
@@ -345,7 +375,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         target_probs = self._score(req, tokens)
         t1 = time.perf_counter()
-        draft_tokens = torch.tensor(tokens, dtype=torch.long)
+        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=target_probs.device)
         verdict = verify_chain(draft_tokens, draft.probs if draft else None, target_probs, req.generator)
         name = draft.drafter if draft else None
         return RoundEvent(

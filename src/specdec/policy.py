@@ -29,6 +29,7 @@ class RoundOutcome:
     draft_s: float
     target_s: float
     draft_calls: int
+    drafter: str | None = None  # the prophet whose draft was verified ("a+b" for a tree), None: a plain step
 
 
 def check_k(k: object) -> int:
@@ -51,7 +52,8 @@ class Policy:
         decoder's K). Nothing a request sets leaks into the next."""
         self.k = check_k(k) if k is not None else self.k0
 
-    def next_k(self) -> int:
+    def next_k(self, prophet: str | None = None) -> int:
+        """K for the next round (of `prophet`, for policies that keep evidence per prophet)."""
         return self.k
 
     def keep_drafting(self) -> KeepDrafting | None:
@@ -126,53 +128,99 @@ class OptimalPolicy(Policy):
                      key=lambda k: expected_gain(a, k, c, 1 + self.verify_slope * k))
 
 
+@dataclass
+class _Evidence:
+    """What the auto policy knows about one prophet within a request."""
+
+    tested: float
+    accepted: float
+    k: int
+    rounds: int = 0
+    pause: int = 0
+    backoff: int = 4
+
+
 class AutoPolicy(Policy):
-    """The default: K drafted tokens while speculation pays, plain target steps while it
-    does not. After a few drafted rounds of a request it predicts the speedup from this
-    request's tokens per round and the costs measured once for the decoder
-    (tokens/round x t_plain / t_round(K)); below `break_even` it takes plain steps for a
-    pause that doubles each time (4 rounds up to 64), then drafts again. Its choices
-    depend only on acceptance and those fixed costs, so a seed fixes its output on a
-    given decoder; another process may measure slightly other costs."""
+    """The default: the K in 1..K_max that the cost model predicts to pay most, and plain
+    target steps while none pays. After each drafted round it updates this request's
+    per-position acceptance a of the prophet that drafted (accepted / tested, a decaying
+    average started from a prior) and takes K = argmax tokens(a, K) x t_plain /
+    (K t_draft + t_verify(K+1)) from the costs measured once for the decoder (t_draft is
+    that prophet's own). When the best predicted gain falls below `break_even` that prophet
+    pauses (plain steps, or another prophet's drafts) for a pause that doubles each time
+    (4 rounds up to 64), then tries again from the prior. Its choices depend only on
+    acceptance and those fixed costs, so a seed fixes its output on a given decoder;
+    another process may measure slightly other costs."""
 
     name = "auto"
     needs_costs = True
 
-    def __init__(self, k: int = 4, min_rounds: int = 4, max_pause: int = 64, break_even: float = 1.0) -> None:
+    def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.0,
+                 prior_a: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9) -> None:
         super().__init__(k)
         self.min_rounds, self.max_pause, self.break_even = min_rounds, max_pause, break_even
+        self.prior_a, self.prior_weight, self.decay = prior_a, prior_weight, decay
         self.costs: Costs | None = None
         self.reset()
 
     def reset(self, k: int | None = None) -> None:
+        """A new request; k (or the decoder's K) is the largest K this request may draft."""
         super().reset(k)
-        self.pause, self.backoff = 0, 4
-        self.rounds, self.tokens = 0, 0
+        self.k_max = self.k
+        self.evidence: dict[str, _Evidence] = {}
         self.gains: list[float] = []  # the predictions made in this request (for stats and tests)
+        self.ks: list[int] = []  # the K chosen after each drafted round
 
-    def next_k(self) -> int:
-        return 0 if self.pause > 0 else self.k
+    def _of(self, prophet: str | None) -> _Evidence:
+        key = prophet or "*"
+        if key not in self.evidence:
+            self.evidence[key] = self._fresh(key, _Evidence(0.0, 0.0, self.k_max))
+        return self.evidence[key]
 
-    def predicted_gain(self) -> float | None:
-        if self.costs is None or self.rounds < self.min_rounds:
-            return None
-        return (self.tokens / self.rounds) * self.costs.t_plain / self.costs.round_time(self.k)
+    def _fresh(self, key: str, ev: _Evidence) -> _Evidence:
+        """Start (again) from the prior: after a pause the evidence before it no longer counts."""
+        ev.rounds, ev.tested, ev.accepted = 0, self.prior_weight, self.prior_a * self.prior_weight
+        if self.costs is not None:
+            ev.k = self.costs.best_k(self.prior_a, self.k_max, key)[0]
+        return ev
+
+    def acceptance(self, prophet: str | None = None) -> float:
+        """This request's running estimate of a prophet's per-position acceptance rate."""
+        ev = self._of(prophet)
+        return ev.accepted / ev.tested
+
+    def next_k(self, prophet: str | None = None) -> int:
+        ev = self._of(prophet)
+        if ev.pause > 0:
+            return 0
+        if self.costs is not None and ev.rounds == 0:
+            ev.k = self.costs.best_k(ev.accepted / ev.tested, self.k_max, prophet or "*")[0]
+        self.k = ev.k
+        return ev.k
 
     def observe(self, outcome: RoundOutcome) -> None:
-        if outcome.drafted == 0:
-            self.pause = max(0, self.pause - 1)
+        key = (outcome.drafter or "*") if outcome.drafted else None
+        for name, other in self.evidence.items():  # a round passes for every pausing prophet but the drafter
+            if name != key and other.pause > 0:
+                other.pause -= 1
+        if key is None:
             return
-        self.rounds += 1
-        self.tokens += outcome.accepted + 1
-        gain = self.predicted_gain()
-        if gain is None:
+        ev = self._of(key)
+        ev.rounds += 1
+        # Position i is tested only if positions 1..i-1 were accepted.
+        ev.tested = self.decay * ev.tested + min(outcome.drafted, outcome.accepted + 1)
+        ev.accepted = self.decay * ev.accepted + outcome.accepted
+        if self.costs is None:
             return
+        ev.k, gain = self.costs.best_k(ev.accepted / ev.tested, self.k_max, key)
+        self.k = ev.k
         self.gains.append(gain)
-        if gain < self.break_even:
-            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.max_pause)
-            self.rounds, self.tokens = 0, 0  # fresh evidence after the pause
-        else:
-            self.backoff = 4
+        self.ks.append(ev.k)
+        if ev.rounds >= self.min_rounds and gain < self.break_even:
+            ev.pause, ev.backoff = ev.backoff, min(2 * ev.backoff, self.max_pause)
+            self._fresh(key, ev)  # fresh evidence after the pause
+        elif gain >= self.break_even:
+            ev.backoff = 4
 
 
 def make_policy(name: str, k: int) -> Policy:

@@ -52,16 +52,18 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     eagle, medusa = str(models_dir() / "smollm2-eagle"), str(models_dir() / "smollm2-medusa")
     base = [Config("plain", "ours"), Config("plain (again)", "ours")]
     peers = [Config("hf plain", "hf-plain")] + ([Config("hf prompt-lookup", "hf-lookup", k=10)] if greedy else [])
+    default = Config("ngram auto (default)", "ours", "ngram", "auto", k=k)  # what load("smollm2") runs
     if quick:
-        return base + [Config("eagle auto (default)", "ours", eagle, "auto", k=k),
-                       Config("ngram auto", "ours", "ngram", "auto", k=8)] + peers
-    mine = [Config("eagle auto (default)", "ours", eagle, "auto", k=k),
-            Config(f"eagle K={k}", "ours", eagle, "fixed", k=k),
-            Config("eagle K=6", "ours", eagle, "fixed", k=6),
-            Config("medusa K=3", "ours", medusa, "fixed", k=3),
-            Config("ngram auto", "ours", "ngram", "auto", k=8),
+        return base + [default, Config("eagle auto", "ours", eagle, "auto", k=k)] + peers
+    mine = [default,
+            Config("ngram auto K<=8", "ours", "ngram", "auto", k=8),
             Config("ngram K=8 fixed", "ours", "ngram", "fixed", k=8),
-            Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best")]
+            Config("eagle auto", "ours", eagle, "auto", k=k),
+            Config("eagle K=2", "ours", eagle, "fixed", k=2),
+            Config(f"eagle K={k}", "ours", eagle, "fixed", k=k),
+            Config("medusa auto", "ours", medusa, "auto", k=3),
+            Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best"),
+            Config("ngram+eagle first", "ours", f"ngram+{eagle}", "auto", k=k, multi="first")]
     return base + mine + peers
 
 
@@ -114,7 +116,7 @@ def machine_info() -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from specdec.api import default_draft_dtype
+    from specdec.wiring import default_draft_dtype
 
     return {"platform": platform.platform(), "cpu": cpu, "native_bf16": default_draft_dtype() == torch.bfloat16,
             "python": platform.python_version(),
@@ -130,7 +132,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
-    from specdec.api import resolve_dtype
+    from specdec.wiring import resolve_dtype
 
     runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")))
     plain = runner.decoders["plain"]

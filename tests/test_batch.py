@@ -15,6 +15,7 @@ from specdec.fastllama import FastLlamaLM
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
+from specdec.wiring import batch_engine
 from tests.helpers import ALPHA
 
 # ----------------------------------------------------------------- the ragged verifier
@@ -139,7 +140,7 @@ def plain_tiny(tiny_pair):
 @pytest.mark.parametrize("draft", [None, "close", "far", "ngram"])
 def test_greedy_rows_equal_unbatched_plain_decoding(tiny_pair, plain_tiny, draft):
     """Mixed prompt lengths, K and max_new_tokens; 6 requests through 4 slots (rows join and leave)."""
-    engine = BatchEngine.from_pretrained(tiny_pair["target"], draft if draft in (None, "ngram") else tiny_pair[draft],
+    engine = batch_engine(tiny_pair["target"], draft if draft in (None, "ngram") else tiny_pair[draft],
                                          slots=4, draft_dtype=torch.float32)
     requests = engine.generate(mixed_requests(engine.target.vocab_size))
     for r in requests:
@@ -148,7 +149,7 @@ def test_greedy_rows_equal_unbatched_plain_decoding(tiny_pair, plain_tiny, draft
 
 
 def test_a_row_that_stops_early_does_not_disturb_the_others(tiny_pair, plain_tiny):
-    engine = BatchEngine.from_pretrained(tiny_pair["target"], tiny_pair["close"], slots=6, draft_dtype=torch.float32)
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=6, draft_dtype=torch.float32)
     first = engine.generate(mixed_requests(engine.target.vocab_size))
     eos = first[2].generated[2]  # row 2 will now end at its third token
     engine.eos_token_ids = {eos}
@@ -174,6 +175,7 @@ class MarkovBatch:
 
     def __init__(self, lm: MarkovLM, slots: int) -> None:
         self.lm, self.slots, self.name = lm, slots, lm.name
+        self.device = lm.device
         self.vocab_size, self.max_length = lm.vocab_size, lm.max_length
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
 

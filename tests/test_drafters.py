@@ -85,7 +85,7 @@ def test_early_exit_restores_the_model_even_on_error(tiny_pair, monkeypatch):
 def test_early_exit_equals_a_truncated_model(tiny_pair, backend):
     from transformers import AutoModelForCausalLM
 
-    from specdec.api import wrap
+    from specdec.wiring import wrap
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     lm = wrap(model, "t", model.config.vocab_size, backend)

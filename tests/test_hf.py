@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import load
-from specdec.api import wrap
 from specdec.errors import ContextLengthError, ModelLoadError, VocabularyMismatchError
 from specdec.lm import HFCausalLM
+from specdec.wiring import wrap
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n    def __init__(self", "# Copyright",
            "return x + ", "for i in range(", "    if not ", '"""Return the', "x = [", "raise ValueError("]

@@ -39,6 +39,9 @@ class BatchLM(Protocol):
     vocab_size: int
     max_length: int
     slots: int
+    @property
+    def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
+
 
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                 n_logits: Sequence[int]) -> torch.Tensor:
@@ -143,6 +146,7 @@ class Request:
     slot: int | None = None  # the cache slot this request holds while it runs
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
     draft_cached: int = 0  # the same for the drafter's slot (its drafter state)
+    seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,8 +158,8 @@ class Request:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
-        self.generator = torch.Generator()
-        self.generator.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.seed_used = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator = torch.Generator().manual_seed(self.seed_used)  # moved to the engine's device on admission
 
     @property
     def context(self) -> list[int]:
@@ -199,7 +203,7 @@ class ModelBatchDrafter:
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         tokens: list[list[int]] = [[] for _ in reqs]
-        probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size)  # (B, K, V)
+        probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size, device=self.lm.device)  # (B, K, V)
         feeds = {b: reqs[b].context[reqs[b].draft_cached:] for b, k in enumerate(ks) if k > 0}
         for j in range(max(ks)):
             live = [b for b in feeds if ks[b] > j]
@@ -276,27 +280,6 @@ class BatchEngine:
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
 
-    @classmethod
-    def from_pretrained(cls, target: str, draft: str | None = None, slots: int = 16,
-                        dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype | None = None) -> BatchEngine:
-        """target: a path, hub id or "smollm2"; draft: None (plain), "ngram", or a model with the target's tokenizer."""
-        from specdec.api import default_draft_dtype
-        from specdec.lm import load_pretrained, shared_vocab_size
-
-        model, tok = load_pretrained(target, dtype, role="target")
-        vocab = shared_vocab_size(model, tok, None, None, target, None)
-        drafter: BatchDrafter | None = None
-        if draft == "ngram":
-            drafter = NgramBatchDrafter()
-        elif draft is not None:
-            d_model, d_tok = load_pretrained(draft, draft_dtype or default_draft_dtype(), role="drafter")
-            vocab = shared_vocab_size(model, tok, d_model, d_tok, target, draft)
-            drafter = ModelBatchDrafter(BatchLlama(d_model, draft, slots, vocab))
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        eos = tok.eos_token_id if eos is None else eos
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return cls(BatchLlama(model, target, slots, vocab), drafter, eos_ids, tok)
-
     # ----------------------------------------------------------------- one step
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
         """One round for every unfinished request: draft, score, verify, commit."""
@@ -324,8 +307,8 @@ class BatchEngine:
         self.last_spans = ((d0, d1), (d1, time.perf_counter()))
         # 4. Ragged verification.
         k_max = max(lens)
-        draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens],
-                                    dtype=torch.long).reshape(len(active), k_max)  # (B, K)
+        draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens], dtype=torch.long,
+                                    device=target_probs.device).reshape(len(active), k_max)  # (B, K)
         probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
         verdict = verify_rows(draft_tokens, lens, probs, None, target_probs, [r.generator for r in active])
         # 5. Commit per row; finished rows leave and free their slot.
@@ -353,6 +336,8 @@ class BatchEngine:
                 raise ValueError(f"the prompt is {len(r.prompt)} tokens but the target's context is "
                                  f"{self.target.max_length} tokens")
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, 0
+            if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
+                r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
         _prefill(self.target, new, "target_cached")
         if self.drafter is not None:
             self.drafter.prefill([r for r in new if r.k > 0])

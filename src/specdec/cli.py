@@ -18,14 +18,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "with '+' (default: the bundled drafter)")
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
-    p.add_argument("--multi", default="tree", choices=["tree", "best"],
-                   help="several drafters: verify a token tree of all drafts, or use the best recent drafter")
+    p.add_argument("--multi", default="tree", choices=["tree", "best", "first"],
+                   help="several drafters: verify a token tree of all drafts (tree), let the best recent one "
+                        "draft (best), or the first in --draft order that proposes something (first)")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="the target's weights (auto: bfloat16 where the CPU computes it natively). In bfloat16 a "
                         "pass over K+1 tokens rounds differently from K+1 single steps, so greedy output can "
                         "differ from plain decoding where two logits nearly tie; float32 is token-identical")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N, mps or auto (a GPU when there is one, else the CPU)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                    help="auto: specdec's lean path for plain Llama models, else transformers; hf: always transformers")
 
@@ -39,7 +42,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 
 
 def _dtype(name: str) -> Any:
-    from specdec.api import resolve_dtype
+    from specdec.wiring import resolve_dtype
 
     return resolve_dtype(name)
 
@@ -50,7 +53,7 @@ def _load(args: argparse.Namespace) -> Any:
     return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
                 dtype=_dtype(args.dtype),
                 multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
-                backend=args.backend)
+                backend=args.backend, device=args.device)
 
 
 def _stats_table(stats: Any, title: str) -> Any:

@@ -52,12 +52,17 @@ class LlamaWeights:
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.final_norm = inner.norm.weight
             self.lm_head = model.lm_head.weight[: self.vocab_size]  # tied embeddings: the same tensor
-            positions = torch.arange(self.max_length, dtype=torch.float)
+            positions = torch.arange(self.max_length, dtype=torch.float, device=self.embed.device)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
             scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights, caches and every tensor this path makes live."""
+        return self.embed.device
 
     @staticmethod
     def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
@@ -138,7 +143,8 @@ class FastLlamaLM(LlamaWeights):
             return
         size = min(self.max_length, max(end, 2 * self.capacity if self.k_cache.dim() == 4 else end))
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
-        k, v = torch.zeros(shape, dtype=self.embed.dtype), torch.zeros(shape, dtype=self.embed.dtype)
+        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
+        v = torch.zeros_like(k)
         if self.k_cache.dim() == 4:
             k[:, :, : self.capacity] = self.k_cache
             v[:, :, : self.capacity] = self.v_cache
@@ -170,7 +176,7 @@ class FastLlamaLM(LlamaWeights):
         if start + n > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
         self._reserve(start + n)
-        x = self.embed[torch.tensor(list(ids))]  # (n, D)
+        x = self.embed[torch.tensor(list(ids), device=self.device)]  # (n, D)
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask)
             gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
@@ -181,16 +187,16 @@ class FastLlamaLM(LlamaWeights):
             return self._linear(self.last_hidden, self._head_q, "head").float()
         return (self.last_hidden @ self.lm_head.T).float()
 
-    @staticmethod
-    def _causal(n: int, start: int) -> torch.Tensor | None:
+    def _causal(self, n: int, start: int) -> torch.Tensor | None:
         """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""
-        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
 
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
         start, n = len(self.tokens), len(new_ids)
-        logits = self._run(new_ids, torch.arange(start, start + n), self._causal(n, start), n_logits)
+        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start),
+                           n_logits)
         self.tokens.extend(new_ids)
         return logits
 
@@ -212,7 +218,8 @@ class FastLlamaLM(LlamaWeights):
         logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
         tokens, where the next full pass overwrites them: nothing to roll back."""
         start, n = len(self.tokens), len(new_ids)
-        logits = self._run(new_ids, torch.arange(start, start + n), self._causal(n, start), 1, layers)
+        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start), 1,
+                           layers)
         self.tokens.extend(new_ids)  # provisional: end_early_exit truncates back before verification
         return logits[0]
 
@@ -227,7 +234,7 @@ class FastLlamaLM(LlamaWeights):
         only their ancestors."""
         positions, allowed = tree_layout(len(self.tokens), len(new_ids), tree_parents)
         ids = list(new_ids) + list(tree_tokens)
-        logits = self._run(ids, positions, allowed, len(tree_tokens) + 1)
+        logits = self._run(ids, positions.to(self.device), allowed.to(self.device), len(tree_tokens) + 1)
         self.tokens.extend(ids)
         return logits
 
@@ -235,7 +242,7 @@ class FastLlamaLM(LlamaWeights):
         """Move the accepted path's cache entries next to the committed ones, drop the rest.
         Their keys already carry the right rotary positions (chain end + depth)."""
         base = len(self.tokens) - len(tree_tokens)
-        src = torch.tensor([base + node for node in path], dtype=torch.long)
+        src = torch.tensor([base + node for node in path], dtype=torch.long, device=self.device)
         dst = slice(base, base + len(path))
         self.k_cache[:, :, dst] = self.k_cache[:, :, src]
         self.v_cache[:, :, dst] = self.v_cache[:, :, src]

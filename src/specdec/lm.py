@@ -11,20 +11,17 @@ The engine never touches a model directly; it talks to a `CausalLM`:
 longest common prefix of its tokens and the context, but never the whole context, so
 the next forward always has at least one token to produce the next distribution from.
 
-`HFCausalLM` adapts any Hugging Face causal LM with a croppable cache; `specdec.toy`
+`HFCausalLM` adapts any Hugging Face causal LM with a croppable cache (loaded by
+`specdec.wiring`); `specdec.toy`
 has table-based models behind the same interface, whose exact distributions are known.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from specdec.errors import ModelLoadError, VocabularyMismatchError
 
 
 class CausalLM(Protocol):
@@ -33,6 +30,9 @@ class CausalLM(Protocol):
     max_length: int  # context limit in tokens
     tokens: list[int]  # ids whose keys/values are in the cache
     forward_calls: int
+    @property
+    def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
+
 
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor: ...  # (n_logits, V)
 
@@ -208,59 +208,3 @@ class HFCausalLM:
         if drop > 0:
             self.cache.crop(-drop)
             del self.tokens[n:]
-
-
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or os.sep in name and not _is_hub_id(name)
-
-
-def _is_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-
-
-def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                    role: str = "model") -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file or "smollm2"
-    (converted once, see specdec.gguf), with clear errors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from specdec.gguf import resolve_model
-
-    hf_logging.disable_progress_bar()
-    name_or_path = resolve_model(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
-        raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path,
-                                                  trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name_or_path, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load {role} '{name_or_path}': {e}") from e
-    return model, tokenizer
-
-
-def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | None, draft_tok: Any | None,
-                      target_name: str, draft_name: str | None) -> int:
-    """The ids both models score. Embeddings padded past the tokenizer are sliced away;
-    anything else that differs is an error naming both models."""
-    n_tok = len(target_tok)
-    if target_model.config.vocab_size < n_tok:
-        raise VocabularyMismatchError(
-            f"target '{target_name}' scores {target_model.config.vocab_size} ids but its tokenizer has {n_tok}")
-    if draft_model is None or draft_tok is None:
-        return n_tok
-    if draft_tok.get_vocab() != target_tok.get_vocab():
-        only_t = len(set(target_tok.get_vocab()) - set(draft_tok.get_vocab()))
-        only_d = len(set(draft_tok.get_vocab()) - set(target_tok.get_vocab()))
-        raise VocabularyMismatchError(
-            f"target '{target_name}' and drafter '{draft_name}' have different vocabularies "
-            f"({len(target_tok)} vs {len(draft_tok)} entries; {only_t} only in the target's, {only_d} only in the "
-            f"drafter's). Speculative decoding needs a drafter with the target's tokenizer.")
-    if draft_model.config.vocab_size < n_tok:
-        raise VocabularyMismatchError(
-            f"drafter '{draft_name}' scores {draft_model.config.vocab_size} ids but the shared tokenizer has {n_tok}")
-    return n_tok

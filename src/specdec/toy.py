@@ -18,6 +18,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 
 class MarkovLM:
     offers_hidden = True
+    device = torch.device("cpu")
     FEATURE_DIM = 8
 
     def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20) -> None:

@@ -63,7 +63,7 @@ def verify_chain(
         q_of_draft = torch.ones_like(p_of_draft)
     else:
         q_of_draft = draft_probs.gather(-1, draft_tokens[:, None]).squeeze(-1)  # (K,)
-    u = torch.rand(k, generator=generator)
+    u = torch.rand(k, generator=generator, device=target_probs.device)
     accepted = u * q_of_draft < p_of_draft  # u < p/q without dividing by a zero q
     rejected_at = (~accepted).nonzero()
     n_accepted = int(rejected_at[0]) if len(rejected_at) else k
@@ -143,7 +143,7 @@ def verify_tree(
             tried = True
             x = tree.tokens[child]
             q_x = 1.0 if q is None else float(q[x])
-            if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+            if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
                 path.append(child)
                 accepted_by.append(name)
                 node, moved = child, True

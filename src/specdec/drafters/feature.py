@@ -116,11 +116,11 @@ class FeatureDrafter:
 
     def __init__(self, head: FeatureHead, embed: torch.Tensor, lm_head: torch.Tensor, vocab_ids: torch.Tensor,
                  vocab_size: int, name: str = "feature", dtype: torch.dtype = torch.float32) -> None:
-        self.head = head.to(dtype).eval()
+        self.head = head.to(device=embed.device, dtype=dtype).eval()  # on the target's device
         self.name = name
         self.vocab_size: int | None = vocab_size
         self.embed = embed  # (V, D) the target's, shared
-        self.vocab_ids = vocab_ids  # (N,) the draft vocabulary
+        self.vocab_ids = vocab_ids.to(embed.device)  # (N,) the draft vocabulary
         self.sub_head = lm_head[vocab_ids].to(dtype).contiguous()  # (N, D)
         self.dtype = dtype
         self._feature: torch.Tensor | None = None
@@ -134,7 +134,7 @@ class FeatureDrafter:
     def _q(self, h: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the full vocabulary, -inf outside the draft vocabulary; q)."""
         sub = (h.to(self.dtype) @ self.sub_head.T).float()
-        logits = torch.full((self.vocab_size or 0,), float("-inf"))
+        logits = torch.full((self.vocab_size or 0,), float("-inf"), device=sub.device)
         logits[self.vocab_ids] = sub
         return logits, logits_to_probs(logits, params, who=f"drafter '{self.name}'")
 

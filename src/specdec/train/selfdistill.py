@@ -86,7 +86,7 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
     """Answer `n_prompts` training prompts (all four categories) into shards under out_dir."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specdec.lm import load_pretrained
+    from specdec.wiring import load_pretrained
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "DONE").exists():

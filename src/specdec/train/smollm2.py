@@ -22,7 +22,7 @@ PROPHETS = ("eagle", "medusa")
 
 def _dtype(name: str) -> torch.dtype:
     if name == "bfloat16":
-        from specdec.api import default_draft_dtype
+        from specdec.wiring import default_draft_dtype
 
         return default_draft_dtype()  # bf16 only where the CPU computes it natively
     return torch.float32
@@ -31,7 +31,7 @@ def _dtype(name: str) -> torch.dtype:
 def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | None = None,
         only: list[str] | None = None, max_steps: int | None = None, data_minutes: float | None = None,
         train_minutes: float | None = None, log: Any = print) -> dict[str, Any]:
-    from specdec.lm import load_pretrained
+    from specdec.wiring import load_pretrained
 
     paths = cfg["paths"]
     work = work_dir or Path(paths["work_dir"])

@@ -1,0 +1,356 @@
+"""Wiring: from names to running parts, in one place.
+
+A `--draft` spec ("ngram", "models/drafter+ngram", "smollm2:int8", ...) is parsed here and
+each part is built by the first prophet kind in the registry that claims it; models are
+loaded here and wrapped for the engine (the lean Llama path or transformers'); dtypes are
+resolved here. Drafters are handed the models they need and never import the loader.
+
+    register(ProphetKind("mine", lambda part: part == "mine", build_mine, "my prophet"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.drafters.base import Drafter
+from specdec.errors import ModelLoadError, VocabularyMismatchError
+from specdec.lm import HFCausalLM
+
+
+# ----------------------------------------------------------------- dtypes and devices
+def default_draft_dtype(device: torch.device | None = None) -> torch.dtype:
+    """bfloat16 where the device computes it natively (a CPU with AVX512-BF16 or AMX, a GPU
+    that supports it), else float32."""
+    if device is not None and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device is not None and device.type != "cpu":
+        return torch.float32
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """float32, bfloat16, or auto (bfloat16 where the CPU computes it natively)."""
+    if name == "auto":
+        return default_draft_dtype()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {name!r}")
+    return dtypes[name]
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """"cpu", "cuda", "cuda:1", "mps" or "auto" (the first GPU when there is one, else the CPU);
+    a device this machine lacks is a clear error, not a crash later."""
+    if name is None or name == "cpu":
+        return torch.device("cpu")
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu, cuda, cuda:N, mps or auto, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for but this machine has no CUDA GPU: use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {name!r} was asked for but MPS is not available here: use --device cpu")
+    elif device.type != "cpu":
+        raise ValueError(f"device must be cpu, cuda, cuda:N, mps or auto, got {name!r}")
+    return device
+
+
+# ----------------------------------------------------------------- models
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep in name and not _is_hub_id(name)
+
+
+def _is_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                    role: str = "model", device: torch.device | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file or "smollm2"
+    (converted once, see specdec.gguf), on `device` (default: the CPU), with clear errors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from specdec.gguf import resolve_model
+
+    hf_logging.disable_progress_bar()
+    name_or_path = resolve_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
+        raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path,
+                                                  trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name_or_path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load {role} '{name_or_path}': {e}") from e
+    if device is not None and device.type != "cpu":
+        model = model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
+    return model.eval(), tokenizer
+
+
+def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | None, draft_tok: Any | None,
+                      target_name: str, draft_name: str | None) -> int:
+    """The ids both models score. Embeddings padded past the tokenizer are sliced away;
+    anything else that differs is an error naming both models."""
+    n_tok = len(target_tok)
+    if target_model.config.vocab_size < n_tok:
+        raise VocabularyMismatchError(
+            f"target '{target_name}' scores {target_model.config.vocab_size} ids but its tokenizer has {n_tok}")
+    if draft_model is None or draft_tok is None:
+        return n_tok
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        only_t = len(set(target_tok.get_vocab()) - set(draft_tok.get_vocab()))
+        only_d = len(set(draft_tok.get_vocab()) - set(target_tok.get_vocab()))
+        raise VocabularyMismatchError(
+            f"target '{target_name}' and drafter '{draft_name}' have different vocabularies "
+            f"({len(target_tok)} vs {len(draft_tok)} entries; {only_t} only in the target's, {only_d} only in the "
+            f"drafter's). Speculative decoding needs a drafter with the target's tokenizer.")
+    if draft_model.config.vocab_size < n_tok:
+        raise VocabularyMismatchError(
+            f"drafter '{draft_name}' scores {draft_model.config.vocab_size} ids but the shared tokenizer has {n_tok}")
+    return n_tok
+
+
+def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto") -> Any:
+    """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's."""
+    from specdec.fastllama import FastLlamaLM, supports
+
+    if backend not in ("auto", "hf", "fast"):
+        raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
+    if backend == "fast" or (backend == "auto" and supports(model)):
+        return FastLlamaLM(model, name, vocab_size)
+    return HFCausalLM(model, name, vocab_size)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer: the generation config's, else the tokenizer's."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def short_name(name: str) -> str:
+    parts = [p for p in name.replace("\\", "/").split("/") if p]
+    return parts[-1] if parts else name
+
+
+# ----------------------------------------------------------------- prophets
+@dataclass(frozen=True)
+class Wiring:
+    """What a prophet builder may use: the wrapped target, its tokenizer and the settings."""
+
+    target: Any
+    tokenizer: Any
+    dtype: torch.dtype = torch.float32  # a drafter model's weights
+    trust_remote_code: bool = False
+    retrieval_index: str | None = None
+    backend: str = "auto"
+    device: torch.device = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ProphetKind:
+    """One kind of `--draft` part: `claims(part)` says whether a part is of this kind,
+    `build(part, wiring)` makes the drafter."""
+
+    name: str
+    claims: Callable[[str], bool]
+    build: Callable[[str, Wiring], Drafter]
+    help: str
+
+
+_REGISTRY: list[ProphetKind] = []
+
+
+def register(kind: ProphetKind, before: str | None = None) -> None:
+    """Add a prophet kind (before the kind named `before`, else ahead of the catch-all
+    model kind); the first kind that claims a part builds it."""
+    names = [k.name for k in _REGISTRY]
+    if kind.name in names:
+        raise ValueError(f"prophet kind '{kind.name}' is registered already")
+    at = names.index(before) if before in names else names.index("model") if "model" in names else len(names)
+    _REGISTRY.insert(at, kind)
+
+
+def prophet_kinds() -> list[ProphetKind]:
+    return list(_REGISTRY)
+
+
+def parse_draft(spec: str | None) -> list[str]:
+    """The parts of a `--draft` spec: "none" / "" -> [], "a+b" -> ["a", "b"]."""
+    if spec is None or spec.strip() in ("", "none"):
+        return []
+    parts = [p.strip() for p in spec.split("+")]
+    if any(not p for p in parts):
+        raise ValueError(f"--draft {spec!r} has an empty part: join prophets with '+', e.g. models/drafter+ngram")
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")
+    return parts
+
+
+def build_drafters(spec: str | None, target: Any, tokenizer: Any, dtype: torch.dtype = torch.float32,
+                   trust_remote_code: bool = False, retrieval_index: str | None = None,
+                   backend: str = "auto") -> list[Drafter]:
+    """Drafters for a `--draft` spec, each built by the first registered kind that claims it."""
+    wiring = Wiring(target, tokenizer, dtype, trust_remote_code, retrieval_index, backend, target.device)
+    drafters = []
+    for part in parse_draft(spec):
+        kind = next(k for k in _REGISTRY if k.claims(part))
+        drafters.append(kind.build(part, wiring))
+    names = [d.name for d in drafters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")
+    return drafters
+
+
+def _ngram(part: str, w: Wiring) -> Drafter:
+    from specdec.drafters.ngram import NgramDrafter
+
+    if ":" not in part:
+        return NgramDrafter()
+    try:
+        n_max = int(part.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"ngram takes a longest match length, e.g. ngram:4, got {part!r}") from None
+    return NgramDrafter(n_max=n_max)
+
+
+def _retrieval(part: str, w: Wiring) -> Drafter:
+    from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
+
+    if w.retrieval_index is not None:
+        if not Path(w.retrieval_index).exists():
+            raise ValueError(f"retrieval index '{w.retrieval_index}' does not exist: "
+                             f"build it with `specdec index --out {w.retrieval_index}`")
+        return RetrievalDrafter(Datastore.load(Path(w.retrieval_index)))
+    default = default_index_path(w.tokenizer)  # over the stdlib training split, built once
+    store = Datastore.load(default) if default.exists() else build_default_datastore(w.tokenizer, default)
+    return RetrievalDrafter(store)
+
+
+def _layerskip(part: str, w: Wiring) -> Drafter:
+    """layerskip:L, or plain `layerskip` (= layerskip:auto) for the L that measurement favours."""
+    from specdec.drafters.layerskip import LayerSkipDrafter, choose_layers
+
+    if part in ("layerskip", "layerskip:auto"):
+        from specdec.data.prompts import build_suite
+
+        calibration = "\n".join(p.text for p in build_suite(1))
+        layers = choose_layers(w.target, list(w.tokenizer(calibration)["input_ids"]))[0]
+    else:
+        try:
+            layers = int(part.split(":", 1)[1])
+        except (IndexError, ValueError):
+            raise ValueError(f"layerskip takes a layer count, e.g. layerskip:4, got {part!r}") from None
+    return LayerSkipDrafter(w.target, layers)
+
+
+def _int8(part: str, w: Wiring) -> Drafter:
+    """A compressed copy of a model (the target itself when it is named) with int8 weights
+    and its own KV cache, drafting for the full-precision target."""
+    from specdec.drafters.model import ModelDrafter
+    from specdec.fastllama import FastLlamaLM, supports
+
+    name = part[: -len(":int8")]
+    if name == w.target.name:
+        model = w.target.model
+    else:
+        model, draft_tok = load_pretrained(name, torch.float32, w.trust_remote_code, role="drafter", device=w.device)
+        shared_vocab_size(w.target.model, w.tokenizer, model, draft_tok, w.target.name, name)
+    if not supports(model):
+        raise ValueError(f"'{name}:int8' needs a plain Llama model (the lean path quantizes it)")
+    return ModelDrafter(FastLlamaLM(model, f"{name}:int8", w.target.vocab_size, int8=True, act_dtype=w.dtype),
+                        name=f"{short_name(name)}:int8")
+
+
+def _feature(part: str, w: Wiring) -> Drafter:
+    """A feature prophet (models/smollm2-eagle, ...), handed the target's embeddings and head."""
+    from specdec.drafters.feature import FeatureDrafter, load_head
+
+    head, vocab_ids, cfg = load_head(Path(part))
+    if not w.target.offers_hidden:
+        raise ValueError(f"feature prophet '{part}' needs a target that exposes its hidden states")
+    embed, lm_head = w.target.embeddings(), w.target.head()
+    if embed.shape[1] != head.dim or lm_head.shape[0] != cfg.get("vocab_size", lm_head.shape[0]):
+        raise ValueError(f"feature prophet '{part}' was trained for a target with hidden size {head.dim} and "
+                         f"{cfg.get('vocab_size')} ids; '{w.target.name}' has {embed.shape[1]} and {lm_head.shape[0]}")
+    return FeatureDrafter(head, embed, lm_head, vocab_ids, w.target.vocab_size, name=short_name(part), dtype=w.dtype)
+
+
+def _model(part: str, w: Wiring) -> Drafter:
+    """A smaller model with the target's tokenizer (a path, a hub id or a GGUF file)."""
+    from specdec.drafters.model import ModelDrafter
+
+    model, draft_tok = load_pretrained(part, w.dtype, w.trust_remote_code, role="drafter", device=w.device)
+    vocab = shared_vocab_size(w.target.model, w.tokenizer, model, draft_tok, w.target.name, part)
+    if vocab != w.target.vocab_size:
+        raise ValueError(f"drafter '{part}' and target '{w.target.name}' share {vocab} ids, "
+                         f"the target scores {w.target.vocab_size}")
+    return ModelDrafter(wrap(model, part, vocab, w.backend), name=short_name(part))
+
+
+def _is_feature_prophet(part: str) -> bool:
+    from specdec.drafters.feature import is_feature_prophet
+
+    return is_feature_prophet(part)
+
+
+for _kind in (
+    ProphetKind("ngram", lambda p: p == "ngram" or p.startswith("ngram:"), _ngram,
+                "prompt lookup: continue the longest earlier match of the last tokens (ngram:N, longest N)"),
+    ProphetKind("retrieval", lambda p: p == "retrieval", _retrieval,
+                "continuations of matching text in a datastore (--retrieval-index)"),
+    ProphetKind("layerskip", lambda p: p == "layerskip" or p.startswith("layerskip:"), _layerskip,
+                "the target's first L layers and its own head (layerskip:L or layerskip:auto)"),
+    ProphetKind("int8", lambda p: p.endswith(":int8"), _int8, "a model (the target's name: itself) with int8 weights"),
+    ProphetKind("feature", _is_feature_prophet, _feature,
+                "heads over the target's hidden states (a directory with prophet.json: EAGLE- or Medusa-style)"),
+    ProphetKind("model", lambda p: True, _model, "a smaller model with the target's tokenizer (path, hub id, .gguf)"),
+):
+    _REGISTRY.append(_kind)
+
+
+def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype = torch.float32,
+                 draft_dtype: torch.dtype | None = None) -> Any:
+    """A BatchEngine. target: a path, hub id or "smollm2"; draft: None (plain), "ngram", or a
+    model with the target's tokenizer."""
+    from specdec.batch import BatchDrafter, BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter
+
+    model, tok = load_pretrained(target, dtype, role="target")
+    vocab = shared_vocab_size(model, tok, None, None, target, None)
+    drafter: BatchDrafter | None = None
+    if draft == "ngram":
+        drafter = NgramBatchDrafter()
+    elif draft is not None:
+        d_model, d_tok = load_pretrained(draft, draft_dtype or default_draft_dtype(), role="drafter")
+        vocab = shared_vocab_size(model, tok, d_model, d_tok, target, draft)
+        drafter = ModelBatchDrafter(BatchLlama(d_model, draft, slots, vocab))
+    return BatchEngine(BatchLlama(model, target, slots, vocab), drafter, eos_ids(model, tok), tok)
+
+
+__all__ = ["batch_engine", "ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids", "parse_draft",
+           "prophet_kinds", "register", "resolve_device", "resolve_dtype", "short_name", "wrap"]

@@ -166,6 +166,22 @@ def test_a_row_that_stops_early_does_not_disturb_the_others(tiny_pair, plain_tin
     assert {r.finish_reason for r in requests} == {"eos", "length"}
 
 
+def test_a_request_the_engine_refuses_ends_alone(tiny_pair, plain_tiny):
+    """A prompt past the context or outside the vocabulary ends with its reason; the rows
+    beside it in the same step run to the same tokens as they would alone."""
+    engine = batch_engine(tiny_pair["target"], "ngram", slots=4)
+    good = mixed_requests(engine.target.vocab_size)[:3]
+    too_long = Request([5] * engine.target.max_length, 4, SamplingParams(0.0), 2)
+    bad_id = Request([1, engine.target.vocab_size + 3], 4, SamplingParams(0.0), 2)
+    requests = engine.generate([good[0], too_long, good[1], bad_id, good[2]])
+    assert too_long.finish_reason == bad_id.finish_reason == "error"
+    assert "context" in too_long.error and "token ids" in bad_id.error and not too_long.generated
+    for r in good:
+        want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+        assert (r.generated, r.finish_reason, r.error) == (want.token_ids, want.finish_reason, None)
+    assert len(requests) == 5 and len(engine._free) == engine.target.slots  # every slot back
+
+
 # ----------------------------------------------------------------- the exact statistical test, per row
 
 

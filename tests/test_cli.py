@@ -42,6 +42,10 @@ def test_check_passes_for_a_correct_pair(tiny_pair, capsys):
     (["--target", "/no/such/model"], "no such directory"),
     (["--temperature", "-1"], "temperature"),
     (["--draft-tokens", "0"], "K must be"),
+    (["--device", "tpu"], "device must be"),
+    (["--device", "cuda:7"] if __import__("torch").cuda.is_available() else ["--device", "cuda"], "cuda"),
+    (["--draft", "ngram+"], "empty part"),
+    (["--draft", "ngram:x"], "longest match"),
 ])
 def test_errors_are_clear_and_exit_2(tiny_pair, capsys, args, msg):
     argv = ["generate", "x", "--target", tiny_pair["target"], "--draft", tiny_pair["close"]] + args

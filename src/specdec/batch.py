@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.ngram import lookup
+from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
 from specdec.ragged import verify_rows
@@ -142,7 +143,8 @@ class Request:
     k: int = 4  # draft length per step (0 = plain decoding)
     seed: int | None = None
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "length" or "context"
+    finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
+    error: str | None = None  # why the engine refused this request (the others in its step go on)
     slot: int | None = None  # the cache slot this request holds while it runs
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
     draft_cached: int = 0  # the same for the drafter's slot (its drafter state)
@@ -178,7 +180,7 @@ class StepEvent:
     drafted: list[int]
     accepted: int
     next_token: int
-    next_kind: str  # "recovered" or "bonus"
+    next_kind: str  # "recovered" or "bonus" ("error" for a refused request, with next_token -1)
     committed: list[int]  # tokens appended this step, after EOS / length cuts
     finish_reason: str | None
 
@@ -284,8 +286,10 @@ class BatchEngine:
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
         """One round for every unfinished request: draft, score, verify, commit."""
         active = [r for r in requests if not r.done]
+        refused = [self._refuse(r, why) for r in active if r.slot is None and (why := self._invalid(r))]
+        active = [r for r in active if not r.done]
         if not active:
-            return []
+            return refused
         # 1. Join: new rows take a free cache slot and prefill their prompts.
         self._admit(active)
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context).
@@ -312,8 +316,23 @@ class BatchEngine:
         probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
         verdict = verify_rows(draft_tokens, lens, probs, None, target_probs, [r.generator for r in active])
         # 5. Commit per row; finished rows leave and free their slot.
-        return [self._commit(r, t, v.n_accepted, v.next_token, v.next_kind)
-                for r, t, v in zip(active, draft.tokens, verdict.rows(), strict=True)]
+        return refused + [self._commit(r, t, v.n_accepted, v.next_token, v.next_kind)
+                          for r, t, v in zip(active, draft.tokens, verdict.rows(), strict=True)]
+
+    def _invalid(self, req: Request) -> str | None:
+        """Why a joining request cannot run here, or None."""
+        if max(req.prompt) >= self.target.vocab_size or min(req.prompt) < 0:
+            return f"prompt token ids must be in [0, {self.target.vocab_size})"
+        if len(req.prompt) >= self.target.max_length:
+            return (f"the prompt is {len(req.prompt)} tokens but the target's context is "
+                    f"{self.target.max_length} tokens")
+        return None
+
+    @staticmethod
+    def _refuse(req: Request, why: str) -> StepEvent:
+        """A request that cannot join ends alone, with its reason; the step goes on without it."""
+        req.finish_reason, req.error = "error", why
+        return StepEvent(req, [], 0, -1, "error", [], "error")
 
     def release(self, req: Request) -> None:
         """Free the cache slot of a request that leaves before it is done (cancelled, or
@@ -330,11 +349,6 @@ class BatchEngine:
         if len(new) > len(self._free):
             raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
         for r in new:
-            if max(r.prompt) >= self.target.vocab_size or min(r.prompt) < 0:
-                raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
-            if len(r.prompt) >= self.target.max_length:
-                raise ValueError(f"the prompt is {len(r.prompt)} tokens but the target's context is "
-                                 f"{self.target.max_length} tokens")
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, 0
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
@@ -401,6 +415,9 @@ class BatchEngine:
         for job in jobs:
             prompt = decoder._chat_or_prompt(job.get("prompt"), job.get("messages"))
             ids = decoder._encode(prompt)
+            if len(ids) >= self.target.max_length:  # as `generate` says it, before any work is done
+                raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
+                                         f"{self.target.max_length} tokens: shorten the prompt")
             k = job.get("draft_tokens") or decoder.policy.k0
             requests.append(Request(ids, job.get("max_new_tokens", 128),
                                     SamplingParams(job.get("temperature", 1.0), job.get("top_k"),

@@ -369,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("-k", type=int, default=4, help="K of the fixed-K configurations")
     b.add_argument("--target", default=None)
+    b.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
     b.add_argument("--drafter", default=None)
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="the target's weights for every configuration")

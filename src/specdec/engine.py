@@ -137,8 +137,8 @@ class SpeculativeDecoder:
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:
         """A decoder with no drafter over the same target model (its own cache)."""
-        target = self.target.fresh() if hasattr(self.target, "fresh") else self.target
-        return SpeculativeDecoder(target, None, self.tokenizer, Policy(1), eos_token_ids=self.eos_token_ids)
+        return SpeculativeDecoder(self.target.fresh(), None, self.tokenizer, Policy(1),
+                                  eos_token_ids=self.eos_token_ids)
 
     def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,

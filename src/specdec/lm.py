@@ -41,6 +41,8 @@ class CausalLM(Protocol):
 
     def truncate(self, n: int) -> None: ...
 
+    def fresh(self) -> CausalLM: ...  # another view of the same weights with its own, empty cache
+
     offers_hidden: bool  # whether forward_features, embeddings and head are available (feature prophets)
 
     def embeddings(self) -> torch.Tensor: ...  # (V, D) input embedding matrix

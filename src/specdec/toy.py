@@ -18,12 +18,12 @@ from specdec.sampling import SamplingParams, logits_to_probs
 
 class MarkovLM:
     offers_hidden = True
-    device = torch.device("cpu")
     FEATURE_DIM = 8
 
     def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20) -> None:
         """table (V,)*order + (V,): logits of the next token given the last `order` tokens."""
         self.table = table.float()
+        self.device = self.table.device  # logits, features, embeddings and head all come from here
         self.order = table.dim() - 1
         self.vocab_size = table.shape[-1]
         self.name = name
@@ -37,9 +37,13 @@ class MarkovLM:
         g = torch.Generator().manual_seed(seed)
         return cls(torch.randn((vocab_size,) * (order + 1), generator=g) * sharpness, name)
 
+    def to(self, device: str | torch.device) -> MarkovLM:
+        """The same model with its table on `device` (for the device checks)."""
+        return MarkovLM(self.table.to(device), self.name, self.max_length)
+
     def blend(self, other: MarkovLM, weight: float, name: str) -> MarkovLM:
         """A drafter close to this model: logits mixed with other's (weight 0 = identical)."""
-        return MarkovLM((1 - weight) * self.table + weight * other.table, name, self.max_length)
+        return MarkovLM((1 - weight) * self.table + weight * other.table.to(self.device), name, self.max_length)
 
     def logits_after(self, context: Sequence[int]) -> torch.Tensor:
         """(V,) logits of the next token; missing history is padded with token 0."""
@@ -58,14 +62,18 @@ class MarkovLM:
         feature prophets can run on toy models (their q is arbitrary; exactness is not)."""
         hist = [0] * max(0, self.order - len(context)) + list(context[-self.order :])
         g = torch.Generator().manual_seed(1 + sum(t * (self.vocab_size + 1) ** i for i, t in enumerate(hist)))
-        return torch.randn(self.FEATURE_DIM, generator=g)
+        return torch.randn(self.FEATURE_DIM, generator=g).to(self.device)
 
     def embeddings(self) -> torch.Tensor:
         """(V, FEATURE_DIM) fixed pseudo-random embeddings (for feature prophets on toy models)."""
-        return torch.randn(self.vocab_size, self.FEATURE_DIM, generator=torch.Generator().manual_seed(7))
+        return self._fixed(7)
 
     def head(self) -> torch.Tensor:
-        return torch.randn(self.vocab_size, self.FEATURE_DIM, generator=torch.Generator().manual_seed(8))
+        return self._fixed(8)
+
+    def _fixed(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(self.vocab_size, self.FEATURE_DIM, generator=g).to(self.device)
 
     def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = len(self.tokens)

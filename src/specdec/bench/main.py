@@ -15,6 +15,7 @@ from specdec.bench.report import fmt as _f
 from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, build_suite
+from specdec.drafters.model import ModelDrafter
 from specdec.gguf import is_alias
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations
@@ -72,7 +73,7 @@ def _draft_spec(spec: str, drafter_path: str) -> str:
 
 
 def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None,
-                dtype: torch.dtype = torch.float32) -> Runner:
+                dtype: torch.dtype = torch.float32, device: str = "cpu") -> Runner:
     from specdec.api import load
     from specdec.defaults import default_drafter, default_target
 
@@ -83,7 +84,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
     for cfg in configs:
         if cfg.kind == "ours":
             dec = load(target, draft=_draft_spec(cfg.draft, drafter), policy=cfg.policy, draft_tokens=cfg.k,
-                       dtype=dtype, multi=cfg.multi)
+                       dtype=dtype, multi=cfg.multi, device=device)
             runner.decoders[cfg.name] = dec
             plain = plain or dec
     assert plain is not None, "the configurations need plain decoding as the baseline"
@@ -96,7 +97,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
             from transformers import AutoModelForCausalLM
 
             # its own copy: transformers keeps schedule state on the assistant's generation config
-            draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).eval()
+            draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).to(model.device).eval()
             if cfg.k:  # K fixed as ours; k=0 keeps transformers' defaults (20, confidence threshold 0.4)
                 draft_model.generation_config.num_assistant_tokens = cfg.k
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
@@ -134,7 +135,8 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")))
+    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")),
+                         getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     tok = plain.tokenizer
     # keep the end of a prompt that would not leave room for the continuation
@@ -146,8 +148,10 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     # warm-up: every configuration once on the first prompt, not recorded
     for cfg in configs:
         runner.run(cfg, prompt_ids[0], seed=0)
-    main = next((c for c in configs if c.name.startswith(("drafter K=", "eagle K="))), configs[0])
-    drafter_lm = getattr(runner.decoders[main.name].drafters[0], "lm", None) if main.kind == "ours" else None
+    ours = [c for c in configs if c.kind == "ours" and runner.decoders[c.name].drafters]
+    main = next((c for c in ours if c.name.startswith(("drafter K=", "eagle K="))), ours[0] if ours else configs[0])
+    first = runner.decoders[main.name].drafters[0] if main in ours else None
+    drafter_lm = first.lm if isinstance(first, ModelDrafter) else None  # c of a model drafter, measured apart
     costs = measure_costs(plain.target, drafter_lm, prompt_ids[0], ks=[1, 2, 3, 4, 6, 8])  # type: ignore[arg-type]
     tag = "greedy" if greedy else "sampling"
     total = len(configs) * len(prompts) * args.repeats
@@ -188,14 +192,19 @@ def run_bench(args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     modes = [m for m in args.modes.split(",") if m]
     results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
-    report = {"command": args.command_line, "machine": machine_info(), "quick": args.quick,
+    machine = machine_info()
+    device = getattr(args, "device", "cpu")
+    if device != "cpu" and torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))
+    report = {"command": args.command_line, "machine": machine, "quick": args.quick, "device": device,
               "target_dtype": getattr(args, "dtype", "float32"),
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    gpu = f", GPU {machine['gpu']}" if "gpu" in machine else ""
     md = [f"Command: `{args.command_line}`  \nMachine: {report['machine']['cpu']} "
           f"({'native bf16' if report['machine']['native_bf16'] else 'no native bf16'}), "
-          f"{report['machine']['threads']} threads, torch {report['machine']['torch']}, transformers "
+          f"{report['machine']['threads']} threads{gpu}, torch {report['machine']['torch']}, transformers "
           f"{report['machine']['transformers']}; {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
           f"{args.repeats} repeat(s); target weights {report['target_dtype']}.\n"]
     for res in results:

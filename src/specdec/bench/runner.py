@@ -76,7 +76,7 @@ def hf_generate_fn(model: Any, settings: dict[str, Any], eos: list[int], **extra
 
     @torch.inference_mode()
     def run(prompt_ids: list[int], seed: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **extra)
         new = out[0, len(prompt_ids) :].tolist()
         # cut at the first EOS, as our decoder does (generate pads finished sequences)

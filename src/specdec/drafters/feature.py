@@ -19,6 +19,7 @@ simply recovered from p. Only the acceptance rate depends on N.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,6 +126,12 @@ class FeatureDrafter:
         self.dtype = dtype
         self._feature: torch.Tensor | None = None
         self._position = -1
+
+    def fresh(self) -> FeatureDrafter:
+        """The same heads (shared, read-only) with state of its own, for another request."""
+        other = copy.copy(self)
+        other.reset()
+        return other
 
     def see_feature(self, position: int, feature: torch.Tensor) -> None:
         """feature (D,): the target's hidden state at context[position] (whose head gave

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent, engine_for
+from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -160,14 +161,13 @@ class _Row:
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
     """A decoder over the same weights with caches of its own, or None if some part of it
     cannot be duplicated (then the server runs one request at a time)."""
-    target = decoder.target
-    if not hasattr(target, "fresh"):
-        return None
-    new_target = target.fresh()
+    new_target = decoder.target.fresh()
     drafters: list[Any] = []
     for d in decoder.drafters:
-        if isinstance(d, ModelDrafter) and hasattr(d.lm, "fresh"):
+        if isinstance(d, ModelDrafter):
             drafters.append(ModelDrafter(d.lm.fresh(), d.name))
+        elif isinstance(d, FeatureDrafter):
+            drafters.append(d.fresh())
         elif isinstance(d, LayerSkipDrafter):
             drafters.append(LayerSkipDrafter(new_target, d.layers))
         elif isinstance(d, NgramDrafter | RetrievalDrafter):
@@ -185,7 +185,7 @@ class Scheduler:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.decoder, self.metrics = decoder, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.default_k = getattr(decoder.policy, "k", None)
+        self.default_k = decoder.policy.k0
         # The batched engine where the prophet has a batched path; else round-robin.
         self.engine: BatchEngine | None = engine_for(decoder, max_batch) if batched else None
         self.mode = "batched" if self.engine is not None else "round-robin"
@@ -398,6 +398,9 @@ class Scheduler:
 
     def _post_step(self, engine: BatchEngine, row: _Row, e: StepEvent) -> None:
         req, stream = row.request, row.stream
+        if req.error is not None:  # the engine refused this row alone; the others went on
+            self._finish_row(engine, row, End("error", req.error, 400))
+            return
         before = len(req.generated) - len(e.committed)
         finish = e.finish_reason
         text = ""

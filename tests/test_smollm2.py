@@ -32,6 +32,12 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
         assert got.stats.drafted > 0
 
 
-def test_default_prophet_of_smollm2_is_prompt_lookup_with_the_auto_policy():
+def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm2):
     decoder = load("smollm2")
-    assert [d.name for d in decoder.drafters] == ["ngram"] and decoder.policy.name == "auto"
+    assert [d.name for d in decoder.drafters] == ["ngram", "smollm2-eagle"]
+    assert decoder.policy.name == "auto" and decoder.multi == "first"
+    messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
+    want = smollm2.generate(messages=messages, max_new_tokens=24, temperature=0)
+    got = decoder.generate(messages=messages, max_new_tokens=24, temperature=0)
+    assert got.token_ids == want.token_ids
+    assert {e.drafter for e in got.events if e.drafted} == {"ngram", "smollm2-eagle"}  # both drafted

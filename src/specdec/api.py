@@ -29,7 +29,7 @@ __all__ = ["default_draft_dtype", "load", "resolve_device", "resolve_dtype", "wr
 
 
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto", draft_tokens: int = 4,
-         multi: str = "tree", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+         multi: str = "auto", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
          retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
@@ -40,6 +40,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,
     same logits, less Python per step) and anything else through transformers; "hf" forces
     transformers' own forward and DynamicCache.
+    multi: how several prophets share a round: "tree" (every draft in one token tree),
+    "first" (the first in `draft` order that proposes something: "ngram+models/smollm2-eagle"
+    is prompt lookup where the context repeats, the trained prophet elsewhere), "best" (the
+    best recent one), or "auto": "first" when a feature prophet is among several, else "tree".
     draft_dtype: the drafter's weights (default: bfloat16 where the CPU has native bf16,
     else float32). A drafter's precision never affects exactness (the verifier tests the q
     it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
@@ -57,5 +61,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target_lm = wrap(model, target_name, vocab, backend)
     drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
+    if multi == "auto":
+        multi = "first" if len(drafters) > 1 and any(d.reads_features for d in drafters) else "tree"
     return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens), multi,
                               eos_ids(model, tokenizer))

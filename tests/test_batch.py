@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request
 from specdec.certify import goodness_of_fit
+from specdec.costmodel import Costs
 from specdec.fastllama import FastLlamaLM
+from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
@@ -240,6 +242,40 @@ def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
         counts = Counter(tuple(r.generated) for r in requests[j :: len(ROWS)])
         result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, row_params(s)), alpha=ALPHA)
         assert result.passed, (k, s, result)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_rows_with_their_own_auto_policy_match_the_exact_distribution(drafter):
+    """Each row owns an AutoPolicy (K from its own acceptance, pauses when no K pays)."""
+    engine, target = toy_engine(drafter)
+    engine.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05))  # K=1 at low acceptance, K=4 at high
+    settings = dict(temperature=0.9, top_p=0.95)
+    requests = [Request(PROMPT, LENGTH, row_params(settings), 4, seed=i, policy=AutoPolicy(4, min_rounds=1))
+                for i in range(N)]
+    engine.generate(requests)
+    counts = Counter(tuple(r.generated) for r in requests)
+    result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, row_params(settings)), ALPHA)
+    assert result.passed, result
+    if drafter == "model":
+        assert len({k for r in requests for k in r.policy.ks}) > 1  # K really varied with each row's acceptance
+
+
+def test_auto_rows_stop_drafting_when_no_k_pays_and_stay_greedy_equal(tiny_pair, plain_tiny):
+    engine = batch_engine(tiny_pair["target"], tiny_pair["far"], slots=4, draft_dtype=torch.float32)
+    engine.set_costs(Costs(1.0, {1: 1.0, 2: 2.0, 5: 5.0}, 1.0))  # drafting can never pay
+    requests = [Request(r.prompt, 24, SamplingParams(0.0), 4, policy=AutoPolicy(4, min_rounds=1))
+                for r in mixed_requests(engine.target.vocab_size)[:4]]
+    engine.generate(requests)
+    for r in requests:
+        assert r.generated == plain_tiny.generate(r.prompt, max_new_tokens=24, temperature=0).token_ids
+        assert r.policy.evidence[engine.drafter.name].backoff > 4  # it paused, then paused longer
+    measured = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    auto = [Request(r.prompt, 16, SamplingParams(0.0), 4, policy=AutoPolicy(4)) for r in
+            mixed_requests(engine.target.vocab_size)[:4]]
+    measured.generate(auto)  # costs measured on the rows themselves, at this batch size
+    assert 4 in measured._costs
+    for r in auto:
+        assert r.generated == plain_tiny.generate(r.prompt, max_new_tokens=16, temperature=0).token_ids
 
 
 def test_negative_control_wrong_residual_is_caught(monkeypatch):

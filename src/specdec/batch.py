@@ -25,10 +25,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.costmodel import Costs
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
+from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -140,8 +142,9 @@ class Request:
     prompt: list[int]
     max_new_tokens: int = 128
     params: SamplingParams = field(default_factory=SamplingParams)
-    k: int = 4  # draft length per step (0 = plain decoding)
+    k: int = 4  # draft length per step (0 = plain decoding); with a policy, the largest K it may choose
     seed: int | None = None
+    policy: Policy | None = None  # this request's own K policy (e.g. AutoPolicy); None: always k
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
     error: str | None = None  # why the engine refused this request (the others in its step go on)
@@ -160,6 +163,8 @@ class Request:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
+        if self.policy is not None and self.k > 0:
+            self.policy.reset(self.k)  # its state is this request's alone
         self.seed_used = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(self.seed_used)  # moved to the engine's device on admission
 
@@ -279,6 +284,7 @@ class BatchEngine:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
+        self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
 
@@ -293,6 +299,7 @@ class BatchEngine:
         # 1. Join: new rows take a free cache slot and prefill their prompts.
         self._admit(active)
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context).
+        self._policy_costs(active)
         ks = [self._draft_budget(r) for r in active]
         d0 = time.perf_counter()
         if self.drafter is not None and any(ks):
@@ -359,11 +366,55 @@ class BatchEngine:
     def _draft_budget(self, req: Request) -> int:
         """K for this step, cut so a step never overshoots max_new_tokens (a step yields up to
         K+1 tokens) or the target's or drafter's context."""
-        if self.drafter is None:
+        if self.drafter is None or req.k == 0:
             return 0
+        k = req.policy.next_k(self.drafter.name) if req.policy is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)
         room = self.target.max_length - len(req.context)
-        return max(0, min(req.k, remaining - 1, room, self.drafter.room(req)))
+        return max(0, min(k, req.k, remaining - 1, room, self.drafter.room(req)))
+
+    def set_costs(self, costs: Costs) -> None:
+        """Use these costs at every batch size instead of measuring them (tests, known hardware)."""
+        self._costs = {b: costs for b in range(1, self.target.slots + 1)}
+
+    def _policy_costs(self, active: Sequence[Request]) -> None:
+        """Hand rows whose policy needs costs the costs of a step at this batch size,
+        measured once per size bucket (1, 2, 4, 8, ...) on the rows themselves: a target
+        pass over n = 1..K+1 tokens per row, and a drafting pass. Nothing it writes
+        survives: caches are written by position, past each row's cached length."""
+        rows = [r for r in active if r.policy is not None and r.policy.needs_costs and r.k > 0]
+        if not rows or self.drafter is None:
+            return
+        bucket = min(1 << (len(active) - 1).bit_length(), self.target.slots)
+        if bucket not in self._costs:
+            self._costs[bucket] = self._measure(active, max(r.k for r in rows))
+        for r in rows:
+            r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
+
+    def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 2) -> Costs:
+        import statistics
+
+        slots, starts = [_slot(r) for r in active], [r.target_cached for r in active]
+        room = min(self.target.max_length - s for s in starts)
+
+        def timed(fn: Any) -> float:
+            fn()  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) / len(active)  # per row
+
+        sizes = [n for n in range(1, k_max + 2) if n <= room]
+        t_verify = {n: timed(lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active),
+                                                             [n] * len(active))) for n in sizes}
+        t_draft = 0.0
+        if isinstance(self.drafter, ModelBatchDrafter):
+            lm, d_starts = self.drafter.lm, [r.draft_cached for r in active]
+            if min(lm.max_length - s for s in d_starts) > 1:
+                t_draft = timed(lambda: lm.forward(slots, d_starts, [[0]] * len(active), [1] * len(active)))
+        return Costs(t_verify[1], t_verify, t_draft, 1, {self.drafter.name: t_draft} if self.drafter else {})
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str) -> StepEvent:
         """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context."""
@@ -374,6 +425,9 @@ class BatchEngine:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
+        if req.policy is not None and self.drafter is not None:
+            req.policy.observe(RoundOutcome(len(drafted), n_accepted, 0.0, 0.0, 0,
+                                            self.drafter.name if drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = min(req.draft_cached, before + n_accepted)
@@ -422,7 +476,8 @@ class BatchEngine:
             requests.append(Request(ids, job.get("max_new_tokens", 128),
                                     SamplingParams(job.get("temperature", 1.0), job.get("top_k"),
                                                    job.get("top_p", 1.0)),
-                                    k if self.drafter is not None else 0, job.get("seed")))
+                                    k if self.drafter is not None else 0, job.get("seed"),
+                                    make_policy(decoder.policy.name, k)))
         t0 = _time.perf_counter()
         events: dict[int, list[StepEvent]] = {id(r): [] for r in requests}
         width = self.target.slots

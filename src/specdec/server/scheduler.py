@@ -11,8 +11,10 @@ Requests join and leave between rounds (continuous batching). Two ways to run th
   per iteration, one drafting pass and one target forward for all of them, each row
   accepting its own number of tokens. Each row owns its generator and cache slot, so its
   tokens are those it would get alone (greedy: exactly). The server decodes each row's
-  text, releases only text that cannot change, and applies stop strings itself. The
-  batched path drafts a fixed K per request (`specdec.draft_tokens`, else the policy's K0).
+  text, releases only text that cannot change, and applies stop strings itself. Each row
+  has its own policy (the decoder's kind; auto by default: K per row from its acceptance
+  and the step costs measured at that batch size, up to `specdec.draft_tokens`, else the
+  policy's K0).
 - round-robin (any other prophet): up to `max_batch` run interleaved, round by round, each
   in a slot with its own decoder over the same weights (its own KV caches).
 
@@ -44,6 +46,7 @@ from specdec.drafters.retrieval import RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
+from specdec.policy import make_policy
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 
@@ -360,7 +363,7 @@ class Scheduler:
                 (job.draft_tokens or self.decoder.policy.k0)
             try:
                 req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
-                              job.seed)
+                              job.seed, make_policy(self.decoder.policy.name, k) if k else None)
             except (SpecdecError, ValueError) as e:
                 self._end(stream, End("error", str(e), 400))
                 continue

@@ -60,3 +60,12 @@ def test_everything_lives_on_the_models_device(tiny_pair):
     out = decoder.generate("def f(", max_new_tokens=8, temperature=0.8, seed=3)
     again = decoder.generate("def f(", max_new_tokens=8, temperature=0.8, seed=3)
     assert out.token_ids == again.token_ids and len(out.token_ids) == 8
+
+
+def test_default_prophets():
+    from specdec.defaults import default_drafter, default_drafter_for, default_target, models_dir
+
+    assert default_drafter_for(default_target()) == default_drafter()
+    assert default_drafter_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
+    assert default_drafter_for("smollm2", batched=True) == "ngram"  # the server: a prophet with a batched path
+    assert default_drafter_for("some/other-model") == "none"

@@ -53,18 +53,16 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     eagle, medusa = str(models_dir() / "smollm2-eagle"), str(models_dir() / "smollm2-medusa")
     base = [Config("plain", "ours"), Config("plain (again)", "ours")]
     peers = [Config("hf plain", "hf-plain")] + ([Config("hf prompt-lookup", "hf-lookup", k=10)] if greedy else [])
-    default = Config("ngram auto (default)", "ours", "ngram", "auto", k=k)  # what load("smollm2") runs
+    default = Config("ngram+eagle first (default)", "ours", f"ngram+{eagle}", "auto", k=k, multi="first")
     if quick:
-        return base + [default, Config("eagle auto", "ours", eagle, "auto", k=k)] + peers
+        return base + [default, Config("ngram auto", "ours", "ngram", "auto", k=k)] + peers
     mine = [default,
+            Config("ngram auto", "ours", "ngram", "auto", k=k),
             Config("ngram auto K<=8", "ours", "ngram", "auto", k=8),
-            Config("ngram K=8 fixed", "ours", "ngram", "fixed", k=8),
             Config("eagle auto", "ours", eagle, "auto", k=k),
-            Config("eagle K=2", "ours", eagle, "fixed", k=2),
             Config(f"eagle K={k}", "ours", eagle, "fixed", k=k),
             Config("medusa auto", "ours", medusa, "auto", k=3),
-            Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best"),
-            Config("ngram+eagle first", "ours", f"ngram+{eagle}", "auto", k=k, multi="first")]
+            Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best")]
     return base + mine + peers
 
 

@@ -60,6 +60,10 @@ class LlamaWeights:
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
 
     @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
     def device(self) -> torch.device:
         """Where the weights, caches and every tensor this path makes live."""
         return self.embed.device

@@ -109,6 +109,7 @@ class HFCausalLM:
         self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self._cache_cls = DynamicCache
         self.device = next(model.parameters()).device
+        self.n_layers = int(model.config.num_hidden_layers)  # early exit may stop after any of them
         self.reset()
 
     def fresh(self) -> HFCausalLM:

@@ -21,7 +21,7 @@ from specdec.sampling import SamplingParams
 
 class LayerSkipDrafter(FeatureBlind):
     def __init__(self, target: Any, layers: int) -> None:
-        full = target.model.config.num_hidden_layers
+        full = target.n_layers
         if not 1 <= layers < full:
             raise ValueError(f"layerskip:L needs 1 <= L < {full} (the target's layers), got {layers}")
         self.target = target  # HFCausalLM or FastLlamaLM: both implement early_exit
@@ -61,8 +61,9 @@ def choose_layers(target: Any, calibration_ids: list[int], k: int = 4,
     from specdec.costmodel import expected_gain
 
     model = target.model
-    n_layers = model.config.num_hidden_layers
+    n_layers = target.n_layers
     ids = torch.tensor([calibration_ids[: min(len(calibration_ids), target.max_length)]])
+    ids = ids.to(target.device)
     out = model(input_ids=ids, output_hidden_states=True)
     final = out.logits[0, :, : target.vocab_size].argmax(-1)
     table = []

@@ -268,7 +268,7 @@ def test_auto_rows_stop_drafting_when_no_k_pays_and_stay_greedy_equal(tiny_pair,
     engine.generate(requests)
     for r in requests:
         assert r.generated == plain_tiny.generate(r.prompt, max_new_tokens=24, temperature=0).token_ids
-        assert r.policy.evidence[engine.drafter.name].backoff > 4  # it paused, then paused longer
+        assert not r.policy.gains  # no step drafted: no K could pay for the longer pass
     measured = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     auto = [Request(r.prompt, 16, SamplingParams(0.0), 4, policy=AutoPolicy(4)) for r in
             mixed_requests(engine.target.vocab_size)[:4]]
@@ -276,6 +276,15 @@ def test_auto_rows_stop_drafting_when_no_k_pays_and_stay_greedy_equal(tiny_pair,
     assert 4 in measured._costs
     for r in auto:
         assert r.generated == plain_tiny.generate(r.prompt, max_new_tokens=16, temperature=0).token_ids
+
+
+def test_one_k_per_step_pays_for_the_padding_of_every_row():
+    """Rows are padded to the longest feed: one row's draft makes the whole step longer."""
+    engine, _ = toy_engine("ngram")
+    costs = Costs(1.0, {1: 1.0, 2: 1.2, 5: 1.8}, 0.0)
+    rows = [Request(PROMPT, 8, SamplingParams(0.0), 4, policy=AutoPolicy(4)) for _ in range(4)]
+    assert engine._step_k(rows, [4, 0, 0, 0], costs) == [0, 0, 0, 0]  # 1 row of 4 cannot pay for it
+    assert engine._step_k(rows, [4, 4, 4, 4], costs)[0] > 0  # all 4 rows drafting can
 
 
 def test_negative_control_wrong_residual_is_caught(monkeypatch):

@@ -35,7 +35,7 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
 def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm2):
     decoder = load("smollm2")
     assert [d.name for d in decoder.drafters] == ["ngram", "smollm2-eagle"]
-    assert decoder.policy.name == "auto" and decoder.multi == "first"
+    assert decoder.policy.name == "auto" and decoder.multi == "first" and decoder.policy.k0 == 8
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     want = smollm2.generate(messages=messages, max_new_tokens=24, temperature=0)
     got = decoder.generate(messages=messages, max_new_tokens=24, temperature=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.defaults import default_drafter_for, default_target
+from specdec.defaults import default_draft_tokens_for, default_drafter_for, default_target
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import make_policy
 from specdec.wiring import (
@@ -28,9 +28,9 @@ from specdec.wiring import (
 __all__ = ["default_draft_dtype", "load", "resolve_device", "resolve_dtype", "wrap"]
 
 
-def load(target: str | None = None, draft: str | None = "default", policy: str = "auto", draft_tokens: int = 4,
-         multi: str = "auto", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-         retrieval_index: str | None = None, backend: str = "auto",
+def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
+         draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype = torch.float32,
+         trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
 
@@ -40,6 +40,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,
     same logits, less Python per step) and anything else through transformers; "hf" forces
     transformers' own forward and DynamicCache.
+    draft_tokens: K (with the auto policy, the largest K it may choose); default: 8 for
+    smollm2's default prophets (prompt lookup gains from long drafts where it matches, and
+    auto keeps eagle's K at what its cost curve pays), else 4.
     multi: how several prophets share a round: "tree" (every draft in one token tree),
     "first" (the first in `draft` order that proposes something: "ngram+models/smollm2-eagle"
     is prompt lookup where the context repeats, the trained prophet elsewhere), "best" (the
@@ -55,6 +58,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
         draft = default_drafter_for(target_name)
+        if draft_tokens is None:
+            draft_tokens = default_draft_tokens_for(target_name, draft)
+    if draft_tokens is None:
+        draft_tokens = 4
     where = resolve_device(device)
     model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target", device=where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)

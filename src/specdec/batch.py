@@ -25,12 +25,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.costmodel import Costs
+from specdec.costmodel import Costs, expected_tokens_per_round
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
-from specdec.policy import Policy, RoundOutcome, make_policy
+from specdec.policy import AutoPolicy, Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -298,14 +298,21 @@ class BatchEngine:
             return refused
         # 1. Join: new rows take a free cache slot and prefill their prompts.
         self._admit(active)
-        # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context).
-        self._policy_costs(active)
+        # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
+        #    padded to the longest feed, so with auto rows one K for the step is chosen from
+        #    the rows' drafts (prompt lookup: after proposing, it is free; a model: before).
+        costs = self._policy_costs(active)
         ks = [self._draft_budget(r) for r in active]
+        if costs is not None and isinstance(self.drafter, ModelBatchDrafter):
+            ks = self._step_k(active, ks, costs)
         d0 = time.perf_counter()
         if self.drafter is not None and any(ks):
             draft = self.drafter.propose(active, ks)
         else:
             draft = BatchDraft([[] for _ in active], None)
+        if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
+            cut = self._step_k(active, [len(t) for t in draft.tokens], costs)
+            draft = BatchDraft([t[:k] for t, k in zip(draft.tokens, cut, strict=True)], draft.probs)
         lens = [len(t) for t in draft.tokens]
         d1 = time.perf_counter()
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
@@ -377,19 +384,39 @@ class BatchEngine:
         """Use these costs at every batch size instead of measuring them (tests, known hardware)."""
         self._costs = {b: costs for b in range(1, self.target.slots + 1)}
 
-    def _policy_costs(self, active: Sequence[Request]) -> None:
+    def _step_k(self, active: Sequence[Request], lens: Sequence[int], costs: Costs) -> list[int]:
+        """Each row's draft length cut to the one K that maximises the step's expected
+        tokens per second: a row with acceptance a_b and a draft of n_b tokens yields
+        tokens(a_b, min(K, n_b)) (1 without a draft), and every row pays for the longest
+        feed. No K paying more than plain steps: no drafts this step. The cut depends on
+        draft lengths and acceptance only, never on drafted tokens, so it stays exact."""
+        if not any(lens):
+            return list(lens)
+        names = self.drafter.name if self.drafter is not None else None
+        rates = [r.policy.acceptance(names) if isinstance(r.policy, AutoPolicy) else 0.999 for r in active]
+
+        def gain(k: int) -> float:
+            tokens = sum(expected_tokens_per_round(min(max(a, 0.0), 0.999), min(k, n)) if n else 1.0
+                         for a, n in zip(rates, lens, strict=True))
+            return tokens / len(active) * costs.t_plain / costs.round_time(k, names)
+
+        best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
+        return [min(n, best) for n in lens]
+
+    def _policy_costs(self, active: Sequence[Request]) -> Costs | None:
         """Hand rows whose policy needs costs the costs of a step at this batch size,
         measured once per size bucket (1, 2, 4, 8, ...) on the rows themselves: a target
         pass over n = 1..K+1 tokens per row, and a drafting pass. Nothing it writes
         survives: caches are written by position, past each row's cached length."""
         rows = [r for r in active if r.policy is not None and r.policy.needs_costs and r.k > 0]
         if not rows or self.drafter is None:
-            return
+            return None
         bucket = min(1 << (len(active) - 1).bit_length(), self.target.slots)
         if bucket not in self._costs:
             self._costs[bucket] = self._measure(active, max(r.k for r in rows))
         for r in rows:
             r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
+        return self._costs[bucket]
 
     def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 2) -> Costs:
         import statistics

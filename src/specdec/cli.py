@@ -39,7 +39,9 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per round")
+    p.add_argument("--draft-tokens", "-k", type=int, default=None,
+                   help="K, tokens drafted per round (auto policy: the most it may choose); default 4, or 8 for "
+                        "smollm2's default prophets")
 
 
 def _dtype(name: str) -> Any:
@@ -343,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server: completions, chat, streaming, web view at /")
     _model_args(sv)
-    sv.add_argument("--draft-tokens", "-k", type=int, default=4, help="default K; requests may ask for another")
+    sv.add_argument("--draft-tokens", "-k", type=int, default=None,
+                    help="default K (4; the auto policy's most); requests may ask for another")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", default="specdec", help="the model id clients send and /v1/models lists")

@@ -53,10 +53,12 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     eagle, medusa = str(models_dir() / "smollm2-eagle"), str(models_dir() / "smollm2-medusa")
     base = [Config("plain", "ours"), Config("plain (again)", "ours")]
     peers = [Config("hf plain", "hf-plain")] + ([Config("hf prompt-lookup", "hf-lookup", k=10)] if greedy else [])
-    default = Config("ngram+eagle first (default)", "ours", f"ngram+{eagle}", "auto", k=k, multi="first")
+    # what load("smollm2") runs: prompt lookup first, eagle elsewhere, auto K up to 8
+    default = Config("ngram+eagle first K<=8 (default)", "ours", f"ngram+{eagle}", "auto", k=8, multi="first")
     if quick:
         return base + [default, Config("ngram auto", "ours", "ngram", "auto", k=k)] + peers
     mine = [default,
+            Config(f"ngram+eagle first K<={k}", "ours", f"ngram+{eagle}", "auto", k=k, multi="first"),
             Config("ngram auto", "ours", "ngram", "auto", k=k),
             Config("ngram auto K<=8", "ours", "ngram", "auto", k=8),
             Config("eagle auto", "ours", eagle, "auto", k=k),

@@ -25,8 +25,8 @@ def default_drafter() -> str:
 def default_drafter_for(target: str, batched: bool = False) -> str:
     """The measured best prophet for a target: the bundled drafter for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
-    elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.88x greedy on its chat
-    benchmark against 1.64x for prompt lookup alone, see the README); none (plain decoding)
+    elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
+    benchmark against 1.59x for prompt lookup alone, see the README); none (plain decoding)
     for anything else. batched (the server): a prophet with a batched path, so that
     concurrent requests share steps (prompt lookup alone for smollm2)."""
     from specdec.gguf import is_alias

@@ -76,3 +76,20 @@ def test_feature_prophets_need_a_target_with_features():
     target.offers_hidden = False
     with pytest.raises(ValueError, match="hidden states"):
         SpeculativeDecoder(target, toy_prophet(target, "eagle"), policy=Policy(3))
+
+
+def test_a_feature_prophet_clones_for_another_request():
+    """The server's round-robin path gives each slot a decoder of its own: the clone shares
+    the heads but not the per-request state, and decodes the same."""
+    from specdec.server.scheduler import clone_decoder
+
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    decoder = SpeculativeDecoder(target, toy_prophet(target, "eagle", (0, 1, 2, 3, 4)), policy=Policy(3))
+    clone = clone_decoder(decoder)
+    assert clone is not None and clone.drafters[0] is not decoder.drafters[0]
+    assert clone.drafters[0].head is decoder.drafters[0].head
+    decoder.drafters[0].see_feature(3, torch.zeros(MarkovLM.FEATURE_DIM))
+    assert clone.drafters[0]._feature is None  # state is not shared
+    a = decoder.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=4)
+    b = clone.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=4)
+    assert a.token_ids == b.token_ids and b.stats.drafted > 0

@@ -108,3 +108,11 @@ def test_auto_keeps_evidence_per_prophet():
     assert policy.next_k("lookup") == 4 and policy.acceptance("lookup") > 0.8
     assert policy.next_k("model") == 0  # this prophet pauses; the other goes on
     assert costs.round_time(2, "model") == pytest.approx(0.4 + 1.1)
+
+
+def test_median_seconds_warms_up_and_runs_after_outside_the_timing():
+    from specdec.costmodel import median_seconds
+
+    calls = []
+    t = median_seconds(lambda: calls.append("fn"), 3, after=lambda: calls.append("after"))
+    assert calls == ["fn", "after"] * 4 and t >= 0

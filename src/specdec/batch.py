@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.costmodel import Costs, expected_tokens_per_round
+from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round, median_seconds
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
@@ -396,9 +396,9 @@ class BatchEngine:
         rates = [r.policy.acceptance(names) if isinstance(r.policy, AutoPolicy) else 0.999 for r in active]
 
         def gain(k: int) -> float:
-            tokens = sum(expected_tokens_per_round(min(max(a, 0.0), 0.999), min(k, n)) if n else 1.0
+            tokens = sum(expected_tokens_per_round(clamp_acceptance(a), min(k, n)) if n else 1.0
                          for a, n in zip(rates, lens, strict=True))
-            return tokens / len(active) * costs.t_plain / costs.round_time(k, names)
+            return costs.speedup(tokens / len(active), k, names)
 
         best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
         return [min(n, best) for n in lens]
@@ -419,19 +419,11 @@ class BatchEngine:
         return self._costs[bucket]
 
     def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 2) -> Costs:
-        import statistics
-
         slots, starts = [_slot(r) for r in active], [r.target_cached for r in active]
         room = min(self.target.max_length - s for s in starts)
 
         def timed(fn: Any) -> float:
-            fn()  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times) / len(active)  # per row
+            return median_seconds(fn, repeats) / len(active)  # per row
 
         sizes = [n for n in range(1, k_max + 2) if n <= room]
         t_verify = {n: timed(lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active),

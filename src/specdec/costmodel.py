@@ -9,7 +9,30 @@ walltime gain over plain decoding is tokens / (K c + v).
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+def clamp_acceptance(a: float) -> float:
+    """An acceptance estimate the formulas can use: within [0, 0.999]."""
+    return min(max(a, 0.0), 0.999)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, after: Callable[[], object] = lambda: None) -> float:
+    """Median wall time of fn over `repeats` calls, after one warm-up call (the first pass
+    of a new shape is slower); `after` runs after every call, outside the timing (e.g. to
+    roll a cache back)."""
+    fn()
+    after()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        after()
+    return statistics.median(times)
 
 
 def expected_tokens_per_round(a: float, k: float) -> float:
@@ -22,7 +45,7 @@ def expected_tokens_per_round(a: float, k: float) -> float:
 def expected_gain(a: float, k: float, c: float, v: float = 1.0) -> float:
     """Expected speedup of rounds of K drafts over plain decoding, with drafting costing c
     and verification v target steps (a is clamped to [0, 0.999])."""
-    return expected_tokens_per_round(min(max(a, 0.0), 0.999), k) / (k * c + v)
+    return expected_tokens_per_round(clamp_acceptance(a), k) / (k * c + v)
 
 
 @dataclass
@@ -66,9 +89,13 @@ class Costs:
         t_draft = self.t_draft_by.get(prophet, self.t_draft) if prophet else self.t_draft
         return k * t_draft + self.verify_time(1 + self.width * k)
 
+    def speedup(self, tokens: float, k: int, prophet: str | None = None) -> float:
+        """Speedup over plain decoding of rounds of k drafts that yield `tokens` on average."""
+        return tokens * self.t_plain / self.round_time(k, prophet)
+
     def gain(self, a: float, k: int, prophet: str | None = None) -> float:
         """Expected speedup over plain decoding of rounds of k drafts at per-position acceptance a."""
-        return expected_tokens_per_round(min(max(a, 0.0), 0.999), k) * self.t_plain / self.round_time(k, prophet)
+        return self.speedup(expected_tokens_per_round(clamp_acceptance(a), k), k, prophet)
 
     def best_k(self, a: float, k_max: int, prophet: str | None = None) -> tuple[int, float]:
         """The K in 1..k_max with the largest expected gain at acceptance a, and that gain."""

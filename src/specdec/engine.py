@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdec.costmodel import Costs
+from specdec.costmodel import Costs, median_seconds
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
@@ -262,15 +262,7 @@ class SpeculativeDecoder:
         self.target.forward(ctx, 1)  # prefill, and a warm-up
 
         def timed(fn: Any) -> float:
-            fn()  # warm-up: the first pass of a new size is slower
-            self.target.truncate(n)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-                self.target.truncate(n)
-            return statistics.median(times)
+            return median_seconds(fn, repeats, after=lambda: self.target.truncate(n))
 
         sizes = sorted({size for size in (*range(1, min(n_max, 9) + 1), (9 + n_max) // 2, n_max) if size <= n_max})
         t_verify = {size: timed(lambda size=size: self.target.forward([ctx[-1]] * size, size)) for size in sizes}

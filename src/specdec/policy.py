@@ -174,14 +174,13 @@ class AutoPolicy(Policy):
     def _of(self, prophet: str | None) -> _Evidence:
         key = prophet or "*"
         if key not in self.evidence:
-            self.evidence[key] = self._fresh(key, _Evidence(0.0, 0.0, self.k_max))
+            self.evidence[key] = self._fresh(_Evidence(0.0, 0.0, self.k_max))
         return self.evidence[key]
 
-    def _fresh(self, key: str, ev: _Evidence) -> _Evidence:
-        """Start (again) from the prior: after a pause the evidence before it no longer counts."""
+    def _fresh(self, ev: _Evidence) -> _Evidence:
+        """Start (again) from the prior: after a pause the evidence before it no longer counts
+        (next_k takes K from the prior while a prophet has no rounds)."""
         ev.rounds, ev.tested, ev.accepted = 0, self.prior_weight, self.prior_a * self.prior_weight
-        if self.costs is not None:
-            ev.k = self.costs.best_k(self.prior_a, self.k_max, key)[0]
         return ev
 
     def acceptance(self, prophet: str | None = None) -> float:
@@ -218,7 +217,7 @@ class AutoPolicy(Policy):
         self.ks.append(ev.k)
         if ev.rounds >= self.min_rounds and gain < self.break_even:
             ev.pause, ev.backoff = ev.backoff, min(2 * ev.backoff, self.max_pause)
-            self._fresh(key, ev)  # fresh evidence after the pause
+            self._fresh(ev)  # fresh evidence after the pause
         elif gain >= self.break_even:
             ev.backoff = 4
 

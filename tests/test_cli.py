@@ -51,3 +51,21 @@ def test_errors_are_clear_and_exit_2(tiny_pair, capsys, args, msg):
     argv = ["generate", "x", "--target", tiny_pair["target"], "--draft", tiny_pair["close"]] + args
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,draft", [
+    (["serve", "--target", "smollm2"], "ngram"),  # the server's default: a prophet with a batched path
+    (["serve", "--target", "smollm2", "--max-batch", "1"], "default"),  # one at a time: the target's own default
+    (["serve", "--target", "smollm2", "--draft", "none"], "none"),
+])
+def test_serve_picks_a_default_prophet_with_a_batched_path(monkeypatch, argv, draft):
+    import specdec.cli as cli
+
+    seen = []
+
+    def fake_load(args):
+        seen.append(args.draft)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(cli, "_load", fake_load)
+    assert main(argv) == 2 and seen == [draft]

@@ -4,6 +4,7 @@ whose distribution is known, greedy-equal on the real target with the shipped pr
 import pytest
 import torch
 
+from specdec import load
 from specdec.drafters.feature import FeatureDrafter, FeatureHead, load_head, save_head
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpeculativeDecoder
@@ -93,3 +94,62 @@ def test_a_feature_prophet_clones_for_another_request():
     a = decoder.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=4)
     b = clone.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=4)
     assert a.token_ids == b.token_ids and b.stats.drafted > 0
+
+
+# ---------------------------------------------------------------- kangaroo: early exit + adapter
+
+
+def toy_adapter(dim: int, layers: int = 1, seed: int = 0, identity: bool = False) -> FeatureHead:
+    torch.manual_seed(seed)
+    head = FeatureHead("kangaroo", dim, rank=8, depth=1, layers=layers)
+    if not identity:
+        for p in head.parameters():  # an arbitrary, imperfect adapter
+            torch.nn.init.normal_(p, std=0.5)
+    return head
+
+
+@pytest.mark.parametrize("k,settings", [(3, dict(temperature=1.0)), (2, dict(temperature=0.7, top_k=3))])
+def test_an_early_exit_adapter_with_a_reduced_vocabulary_is_exact(k, settings):
+    from specdec.drafters.layerskip import AdaptedExitDrafter
+
+    target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
+    prophet = AdaptedExitDrafter(target, toy_adapter(MarkovLM.FEATURE_DIM), torch.tensor([0, 1, 3]), "kangaroo")
+    decoder = SpeculativeDecoder(target, prophet, policy=Policy(k))
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, **settings)
+    assert result.passed, result
+    out = decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=0, **settings)
+    assert out.stats.drafted > 0 and all(t in (0, 1, 3) for e in out.events for t in e.drafted)
+
+
+def test_an_identity_adapter_is_plain_early_exit(tiny_pair):
+    """Zero-initialised, the adapter is the identity, and over the full vocabulary the
+    drafter's logits are the target's own early-exit logits (layerskip)."""
+    from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
+
+    dec = load(tiny_pair["target"], draft="layerskip:1")
+    target = dec.target
+    full = torch.arange(target.vocab_size)
+    adapted = AdaptedExitDrafter(target, toy_adapter(target.head().shape[1], identity=True), full, "kangaroo")
+    plain_exit = LayerSkipDrafter(target, 1)
+    target.forward([1, 5, 9], 1)
+    a = adapted._step([4])
+    target.end_early_exit(3)
+    b = plain_exit._step([4])
+    target.end_early_exit(3)
+    assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_a_shipped_adapter_loads_by_path_and_is_greedy_exact(tiny_pair, tmp_path):
+    plain = load(tiny_pair["target"], draft="none")
+    dim = plain.target.head().shape[1]
+    vocab = torch.arange(0, plain.target.vocab_size, 2)
+    save_head(toy_adapter(dim, layers=1, seed=3), vocab, tmp_path / "k", {"vocab_size": plain.target.vocab_size})
+    dec = load(tiny_pair["target"], draft=str(tmp_path / "k"), draft_tokens=3)
+    for prompt in ["def ", "import os\nimport"]:
+        want = plain.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+        out = dec.generate(prompt, max_new_tokens=24, temperature=0)
+        assert out.token_ids == want and out.stats.drafted > 0
+        assert all(t % 2 == 0 for e in out.events for t in e.drafted)
+    save_head(toy_adapter(dim, layers=9), vocab, tmp_path / "deep", {"vocab_size": plain.target.vocab_size})
+    with pytest.raises(ValueError, match="layers"):
+        load(tiny_pair["target"], draft=str(tmp_path / "deep"))

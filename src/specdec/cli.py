@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default="configs/bundled.toml")
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
-    d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa)")
+    d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")
     d.add_argument("--target", default="models/target")
     d.add_argument("--out", default="models/drafter")
     d.add_argument("--data-out", default=None, help="also save the data-only drafter here")

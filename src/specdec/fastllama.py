@@ -173,9 +173,10 @@ class FastLlamaLM(LlamaWeights):
         return self._linear(out[0].transpose(0, 1).reshape(n, self.n_heads * hd), w, "o")
 
     def _run(self, ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int,
-             layers: int | None = None) -> torch.Tensor:
+             layers: int | None = None, head: bool = True) -> torch.Tensor:
         """ids (n,) into cache slots len(tokens).., through the first `layers` layers (all by
-        default), then the final norm and head. Returns logits (n_logits, V)."""
+        default), then the final norm and (unless head=False) the head. Returns logits
+        (n_logits, V), or the normed hidden states (n_logits, D) without the head."""
         start, n = len(self.tokens), len(ids)
         if start + n > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
@@ -187,6 +188,8 @@ class FastLlamaLM(LlamaWeights):
             x = x + self._linear(F.silu(gate) * up, w, "down")
         self.forward_calls += 1
         self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
+        if not head:
+            return self.last_hidden
         if self.int8:
             return self._linear(self.last_hidden, self._head_q, "head").float()
         return (self.last_hidden @ self.lm_head.T).float()
@@ -226,6 +229,16 @@ class FastLlamaLM(LlamaWeights):
                            layers)
         self.tokens.extend(new_ids)  # provisional: end_early_exit truncates back before verification
         return logits[0]
+
+    @torch.inference_mode()
+    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
+        """As early_exit, but what the head would read instead of logits: the final norm of
+        the first `layers` layers' output, (n_last, D) for the last n_last new ids."""
+        start, n = len(self.tokens), len(new_ids)
+        out = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start), n_last,
+                        layers, head=False)
+        self.tokens.extend(new_ids)
+        return out.float()
 
     def end_early_exit(self, committed: int) -> None:
         self.truncate(committed)

@@ -55,6 +55,20 @@ class CausalLM(Protocol):
 
     def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None: ...
 
+    @property
+    def n_layers(self) -> int: ...
+
+    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
+        """Self-speculation: logits (V,) after the first `layers` layers and the final norm
+        and head; cache entries past the committed tokens until end_early_exit."""
+        ...
+
+    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
+        """As early_exit, the (n_last, D) features the head would read instead of logits."""
+        ...
+
+    def end_early_exit(self, committed: int) -> None: ...
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -184,20 +198,27 @@ class HFCausalLM:
     def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
         """Self-speculation: new_ids through the first `layers` layers and the model's own
         head; logits (V,) of the last. Entries go to the first L cache layers only, past
-        the committed tokens, until `end_early_exit` cuts them off. The layer count is
-        lowered through the config inside try/finally, so the model is whole again after."""
+        the committed tokens, until `end_early_exit` cuts them off."""
+        feature = self.early_exit_features(new_ids, layers)
+        return self.model.lm_head(feature.to(self.model.lm_head.weight.dtype))[0, : self.vocab_size].float()
+
+    @torch.inference_mode()
+    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
+        """What the head would read after the first `layers` layers (their output through the
+        final norm), (n_last, D) for the last n_last new ids. The layer count is lowered
+        through the config inside try/finally, so the model is whole again after."""
         config = self.model.config
         start = self.cache.get_seq_length()  # layer 0 holds committed + earlier draft entries
         positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
         full = config.num_hidden_layers
         config.num_hidden_layers = layers
         try:
-            out = self.model(input_ids=torch.tensor([list(new_ids)], device=self.device), position_ids=positions,
-                             cache=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model.model(input_ids=torch.tensor([list(new_ids)], device=self.device),
+                                   position_ids=positions, cache=self.cache, use_cache=True)
         finally:
             config.num_hidden_layers = full
         self.forward_calls += 1
-        return out.logits[0, -1, : self.vocab_size].float()
+        return out.last_hidden_state[0, -n_last:].float()
 
     def end_early_exit(self, committed: int) -> None:
         layers: list[Any] = list(self.cache.layers)

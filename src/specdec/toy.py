@@ -19,6 +19,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 class MarkovLM:
     offers_hidden = True
     FEATURE_DIM = 8
+    n_layers = 2  # for self-speculation on toy models: "layer 1" of 2 is a pseudo-random feature
 
     def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20) -> None:
         """table (V,)*order + (V,): logits of the next token given the last `order` tokens."""
@@ -101,6 +102,22 @@ class MarkovLM:
     def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
         base = len(self.tokens) - len(tree_tokens)
         self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+
+    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
+        """Early exit on a toy model: a fixed pseudo-random feature of the context (another
+        seed than feature_after's), (n_last, FEATURE_DIM); the ids are appended until
+        end_early_exit, as on a real model."""
+        start = len(self.tokens)
+        self.tokens.extend(new_ids)
+        self.forward_calls += 1
+        rows = [self.feature_after([*self.tokens[: i + 1], layers]) for i in range(start, len(self.tokens))]
+        return torch.stack(rows[-n_last:])
+
+    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
+        return self.early_exit_features(new_ids, layers)[0] @ self.head().T
+
+    def end_early_exit(self, committed: int) -> None:
+        self.truncate(committed)
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:]

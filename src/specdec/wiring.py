@@ -292,6 +292,8 @@ def _feature(part: str, w: Wiring) -> Drafter:
     from specdec.drafters.feature import FeatureDrafter, load_head
 
     head, vocab_ids, cfg = load_head(Path(part))
+    if head.kind == "kangaroo":
+        return _kangaroo(part, head, vocab_ids, cfg, w)
     if not w.target.offers_hidden:
         raise ValueError(f"feature prophet '{part}' needs a target that exposes its hidden states")
     embed, lm_head = w.target.embeddings(), w.target.head()
@@ -299,6 +301,19 @@ def _feature(part: str, w: Wiring) -> Drafter:
         raise ValueError(f"feature prophet '{part}' was trained for a target with hidden size {head.dim} and "
                          f"{cfg.get('vocab_size')} ids; '{w.target.name}' has {embed.shape[1]} and {lm_head.shape[0]}")
     return FeatureDrafter(head, embed, lm_head, vocab_ids, w.target.vocab_size, name=short_name(part), dtype=w.dtype)
+
+
+def _kangaroo(part: str, adapter: Any, vocab_ids: torch.Tensor, cfg: dict[str, Any], w: Wiring) -> Drafter:
+    """An early-exit adapter (models/smollm2-kangaroo): the target's first layers draft."""
+    from specdec.drafters.layerskip import AdaptedExitDrafter
+
+    head = w.target.head()
+    if head.shape[1] != adapter.dim or head.shape[0] != cfg.get("vocab_size", head.shape[0]) \
+            or adapter.layers >= w.target.n_layers:
+        raise ValueError(f"prophet '{part}' was trained for a target with hidden size {adapter.dim}, "
+                         f"{cfg.get('vocab_size')} ids and more than {adapter.layers} layers; '{w.target.name}' has "
+                         f"{head.shape[1]}, {head.shape[0]} and {w.target.n_layers}")
+    return AdaptedExitDrafter(w.target, adapter, vocab_ids, name=short_name(part), dtype=w.dtype)
 
 
 def _model(part: str, w: Wiring) -> Drafter:

@@ -7,6 +7,10 @@ position, and the target's head turns h_t into p(x_{t+1}). A feature prophet reu
   q(x_{t+2}); the drafted token is fed back with the guessed feature, K times.
 - `medusa` (non-autoregressive, after Medusa): head k maps h_t alone to a guess of
   h_{t+k}; all K tokens are drafted at once.
+- `kangaroo` (autoregressive over tokens, after Kangaroo's early exit with an adapter): the
+  target's own first L layers read each drafted token (through the target's KV cache, as
+  in layerskip), and a small adapter maps their output, through the final norm, to a
+  guess of the last layer's feature at the same position (specdec.drafters.layerskip).
 The networks are residual MLPs; the embedding and the head are the target's own, handed
 in at construction (nothing is copied into the prophet's file).
 
@@ -46,22 +50,33 @@ class ResidualMLP(nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(inp)))
 
 
+KINDS = ("eagle", "medusa", "kangaroo")
+
+
 class FeatureHead(nn.Module):
     """The trainable part of a feature prophet. kind "eagle": blocks[0] reads (h, e), the
-    rest read h; kind "medusa": heads[k] maps h to the feature k+1 steps ahead."""
+    rest read h; kind "medusa": heads[k] maps h to the feature k+1 steps ahead; kind
+    "kangaroo": the blocks map the target's early-exit feature after `layers` layers to
+    the last layer's feature."""
 
-    def __init__(self, kind: str, dim: int, rank: int, depth: int = 2, n_heads: int = 4) -> None:
+    def __init__(self, kind: str, dim: int, rank: int, depth: int = 2, n_heads: int = 4, layers: int = 0) -> None:
         super().__init__()
-        if kind not in ("eagle", "medusa"):
-            raise ValueError(f"feature prophet kind must be eagle or medusa, got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"feature prophet kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind == "kangaroo" and layers < 1:
+            raise ValueError("a kangaroo adapter needs the number of target layers it reads (layers >= 1)")
         self.kind, self.dim, self.rank, self.depth, self.n_heads = kind, dim, rank, depth, n_heads
+        self.layers = layers
         if kind == "eagle":
             self.blocks = nn.ModuleList([ResidualMLP(dim, dim if i == 0 else 0, rank) for i in range(depth)])
-        else:
+        elif kind == "medusa":
             self.blocks = nn.ModuleList([ResidualMLP(dim, 0, rank) for _ in range(n_heads)])
+        else:
+            self.blocks = nn.ModuleList([ResidualMLP(dim, 0, rank) for _ in range(depth)])
 
     def config(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dim": self.dim, "rank": self.rank, "depth": self.depth, "n_heads": self.n_heads}
+        out = {"kind": self.kind, "dim": self.dim, "rank": self.rank, "depth": self.depth, "n_heads": self.n_heads}
+        return {**out, "layers": self.layers} if self.kind == "kangaroo" else out
 
     def step(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """eagle: the next feature from the feature h (..., D) and the next token's embedding e."""
@@ -73,6 +88,14 @@ class FeatureHead(nn.Module):
     def ahead(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """medusa: the feature k >= 1 steps after h."""
         return self.blocks[k - 1](h)
+
+    def adapt(self, early: torch.Tensor) -> torch.Tensor:
+        """kangaroo: the last layer's feature guessed from the early-exit one (..., D). With
+        zero-initialised blocks this is the identity, i.e. plain early exit (layerskip)."""
+        x = early
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def save_head(head: FeatureHead, vocab_ids: torch.Tensor, out: Path, info: dict[str, Any]) -> None:
@@ -96,7 +119,8 @@ def load_head(path: Path) -> tuple[FeatureHead, torch.Tensor, dict[str, Any]]:
 
     cfg = json.loads((path / "prophet.json").read_text())
     tensors = load_file(str(path / "prophet.safetensors"))
-    head = FeatureHead(cfg["kind"], cfg["dim"], cfg["rank"], cfg.get("depth", 2), cfg.get("n_heads", 4))
+    head = FeatureHead(cfg["kind"], cfg["dim"], cfg["rank"], cfg.get("depth", 2), cfg.get("n_heads", 4),
+                       cfg.get("layers", 0))
     state = {name[: -len(".int8")]: tensors[name].float() * tensors[name[: -len(".int8")] + ".scale"]
              for name in tensors if name.endswith(".int8")}
     head.load_state_dict(state)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
+from specdec.drafters.feature import FeatureHead
 from specdec.lm import sync
 from specdec.sampling import SamplingParams
 
@@ -36,19 +37,47 @@ class LayerSkipDrafter(FeatureBlind):
         base = len(self.target.tokens)
         calls0 = self.target.forward_calls
         try:
-            draft = draft_autoregressively(lambda ids: self.target.early_exit(ids, self.layers), feed, k, self.name,
-                                           params, generator, keep_drafting)
+            draft = draft_autoregressively(self._step, feed, k, self.name, params, generator, keep_drafting)
         finally:
             self.target.end_early_exit(base)
         draft.forward_calls = self.target.forward_calls - calls0
         self.target.forward_calls = calls0  # drafting passes are not target calls
         return draft
 
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        """ids through the first L layers; logits (V,) of the last."""
+        return self.target.early_exit(ids, self.layers)
+
     def committed(self, context: Sequence[int]) -> None:
         pass
 
     def reset(self) -> None:
         pass
+
+
+class AdaptedExitDrafter(LayerSkipDrafter):
+    """Early exit with a trained adapter (after Kangaroo): the target's first L layers read
+    each drafted token, a small network (FeatureHead kind "kangaroo", trained by
+    `specdec distill` on the target's own answers) maps their output through the final
+    norm to a guess of the last layer's feature, and the target's head cut to the draft
+    vocabulary turns it into q (0 outside that vocabulary, which stays exact: see
+    specdec.drafters.feature). Only the adapter and the vocabulary are shipped."""
+
+    def __init__(self, target: Any, adapter: FeatureHead, vocab_ids: torch.Tensor, name: str,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(target, adapter.layers)
+        self.name = name
+        self.adapter = adapter.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
+        self.vocab_ids = vocab_ids.to(target.device)
+        self.sub_head = target.head()[vocab_ids].to(dtype).contiguous()  # (N, D)
+        self.dtype = dtype
+
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        feature = self.target.early_exit_features(ids, self.layers)[0]
+        sub = (self.adapter.adapt(feature.to(self.dtype)) @ self.sub_head.T).float()
+        logits = torch.full((self.vocab_size or 0,), float("-inf"), device=sub.device)
+        logits[self.vocab_ids] = sub
+        return logits
 
 
 @torch.inference_mode()

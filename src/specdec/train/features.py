@@ -4,7 +4,9 @@ The data are the target's own answers with its hidden state at every position
 (specdec.train.selfdistill). A training example starts at an answer position t and
 unrolls U steps:
 - eagle:  g_0 = h_t, g_j = step(g_{j-1}, embed(x_{t+j})), compared with h_{t+j};
-- medusa: g_j = ahead(h_t, j), compared with h_{t+j}.
+- medusa: g_j = ahead(h_t, j), compared with h_{t+j};
+- kangaroo: g = adapt(e_t), compared with h_t, where e_t is the target's early-exit
+  feature after its first L layers (computed once from the stored ids, `early_features`).
 The loss is the cross-entropy of the prophet's draft distribution (the target's head on
 g_j, cut to the draft vocabulary) against the target's own distribution there (the head
 on h_{t+j}), plus a small regression of g_j onto h_{t+j}. Sequences are split into
@@ -37,6 +39,7 @@ class FeatureData:
     n_answer_tokens: int
     p_ids: torch.Tensor | None = None  # (T, k) the target's k most probable next tokens at each position
     p_probs: torch.Tensor | None = None  # (T, k) their probabilities
+    early: torch.Tensor | None = None  # (T, D) bf16: the target's early-exit features (kangaroo)
 
     @torch.no_grad()
     def add_targets(self, lm_head: torch.Tensor, k: int = 16, chunk: int = 4096) -> None:
@@ -93,6 +96,39 @@ def load_shards(data_dir: Path, unroll: int, heldout_every: int = 20, vocab_size
                        torch.cat(ho) if ho else empty, counts, n_answer)
 
 
+@torch.inference_mode()
+def early_features(target: str, data_dir: Path, layers: int, log: Any = print) -> torch.Tensor:
+    """The target's early-exit feature after its first `layers` layers (through its final
+    norm) at every stored position, in the order of `load_shards`; computed once with the
+    lean path and cached beside the shards (data_dir/early-L.pt)."""
+    from rich.progress import Progress
+
+    from specdec.fastllama import FastLlamaLM
+    from specdec.wiring import load_pretrained
+
+    path = data_dir / f"early-{layers}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    model, _ = load_pretrained(target, torch.float32)
+    lm = FastLlamaLM(model, target)
+    out: list[torch.Tensor] = []
+    shards = sorted(data_dir.glob("shard-*.pt"))
+    t0 = time.perf_counter()
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"early-exit features after {layers} layers", total=len(shards))
+        for shard_path in shards:
+            shard = torch.load(shard_path, weights_only=True)
+            for ids, h in zip(shard["ids"], shard["hidden"], strict=True):
+                n = h.shape[0]
+                lm.truncate(0)
+                out.append(lm.early_exit_features(list(ids[:n]), layers, n_last=n).to(torch.bfloat16))
+            bar.advance(task)
+    early = torch.cat(out)
+    torch.save(early, path)
+    log(f"early-exit features after {layers} layers: {len(early)} positions in {time.perf_counter() - t0:.0f}s")
+    return early
+
+
 def draft_vocabulary(counts: torch.Tensor, n: int, always: list[int]) -> torch.Tensor:
     """The n ids most frequent in the target's answers (plus `always`, e.g. the end token), sorted."""
     top = torch.argsort(counts, descending=True)[:n].tolist()
@@ -103,6 +139,9 @@ def draft_vocabulary(counts: torch.Tensor, n: int, always: list[int]) -> torch.T
 def _unroll(head: FeatureHead, data: FeatureData, idx: torch.Tensor, embed: torch.Tensor,
             unroll: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(guess g_j, true h_{t+j})] for j = 1..unroll."""
+    if head.kind == "kangaroo":
+        assert data.early is not None, "kangaroo training needs the early-exit features (early_features)"
+        return [(head.adapt(data.early[idx + 1].float()), data.hidden[idx + 1].float())]
     h = data.hidden[idx].float()
     out = []
     g = h
@@ -163,7 +202,8 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     unroll = int(cfg["unroll"])
-    head = FeatureHead(kind, embed.shape[1], int(cfg["rank"]), int(cfg.get("depth", 2)), unroll)
+    head = FeatureHead(kind, embed.shape[1], int(cfg["rank"]), int(cfg.get("depth", 2)), unroll,
+                       int(cfg.get("layers", 0)))
     opt = torch.optim.AdamW(head.parameters(), lr=float(cfg["lr"]), weight_decay=0.0)
     step, elapsed = 0, 0.0
     eval_every = int(cfg.get("eval_every", 250))

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from specdec.train.features import draft_vocabulary, export, load_shards, train_head
+from specdec.train.features import draft_vocabulary, early_features, export, load_shards, train_head
 from specdec.train.selfdistill import generate_data
 
-PROPHETS = ("eagle", "medusa")
+PROPHETS = ("eagle", "medusa", "kangaroo")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -50,6 +50,8 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
     for kind in only or list(PROPHETS):
         pc = cfg[kind]
         data = load_shards(work / "data", int(pc["unroll"]), vocab_size=lm_head.shape[0])
+        if kind == "kangaroo":
+            data.early = early_features(paths["target"], work / "data", int(pc["layers"]), log=log)
         vocab = draft_vocabulary(data.answer_counts, int(cfg["vocab"]["size"]), [int(tokenizer.eos_token_id)])
         coverage = float(data.answer_counts[vocab].sum()) / max(1, int(data.answer_counts.sum()))
         log(f"{kind}: {len(data.starts_train)} training positions, {len(data.starts_heldout)} held out; "

@@ -337,3 +337,19 @@ def test_round_robin_path_when_batching_is_off(decoder):
         r = c.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 12, "temperature": 0})
         assert r.json()["choices"][0]["text"] == plain_text(decoder, "def f(", 12)
         assert _step_sizes(c) == (r.json()["specdec"]["rounds"], r.json()["specdec"]["rounds"])
+
+
+def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):
+    """With the auto policy, every batch-size bucket's costs are measured at startup, so no
+    request waits for a measurement, and requests reuse them."""
+    dec = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto", draft_tokens=3)
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=6))) as url:
+        engine = engine_for(dec, 6)
+        assert engine is not None and sorted(engine._costs) == [1, 2, 4, 6]
+        measured = dict(engine._costs)
+        assert all(max(c.t_verify) == 4 for c in measured.values())  # n = 1..K+1 tokens per row
+        with httpx.Client(base_url=url, timeout=30) as c:
+            r = c.post("/v1/completions", json={"prompt": "def ", "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["text"] == plain_text(dec, "def ", 12)
+        assert engine._costs == measured and sorted(engine._free) == list(range(6))

@@ -403,6 +403,28 @@ class BatchEngine:
         best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
         return [min(n, best) for n in lens]
 
+    def calibrate(self, k_max: int, prompt_len: int = 16) -> dict[int, Costs]:
+        """Measure now, on placeholder rows, the step costs of every batch-size bucket (1, 2,
+        4, ... up to the slots) that the auto policy would otherwise measure on the first
+        requests of that size (a server does this at startup, so that no request waits for
+        it). Buckets already measured are kept. Returns the costs by bucket."""
+        if self.drafter is None or k_max < 1:
+            return dict(self._costs)
+        bucket = 1
+        while True:
+            size = min(bucket, self.target.slots)
+            if size not in self._costs and len(self._free) >= size:
+                rows = [Request([0] * prompt_len, 1, SamplingParams(0.0), k_max) for _ in range(size)]
+                self._admit(rows)
+                try:
+                    self._costs[size] = self._measure(rows, k_max)
+                finally:
+                    for r in rows:
+                        self.release(r)
+            if size == self.target.slots:
+                return dict(self._costs)
+            bucket *= 2
+
     def _policy_costs(self, active: Sequence[Request]) -> Costs | None:
         """Hand rows whose policy needs costs the costs of a step at this batch size,
         measured once per size bucket (1, 2, 4, 8, ...) on the rows themselves: a target

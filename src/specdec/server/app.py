@@ -49,6 +49,7 @@ class ServerConfig:
     max_tokens: int = 4096  # largest max_tokens a request may ask for
     max_draft_tokens: int = 16  # largest specdec.draft_tokens a request may ask for
     batched: bool = True  # continuous batching where the prophet has a batched path (else round-robin)
+    warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
@@ -59,6 +60,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.warm_up:
+            await asyncio.to_thread(scheduler.warm_up)
         yield
         scheduler.stop()
 

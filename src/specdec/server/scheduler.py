@@ -201,6 +201,19 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
+    def warm_up(self) -> float:
+        """Before serving: measure the batched step's costs at every batch-size bucket when
+        the policy chooses K from measured costs, so that the first requests of each size
+        do not wait for it. Returns the seconds it took (0 when there is nothing to do)."""
+        if self.engine is None or not getattr(self.decoder.policy, "needs_costs", False) or self.default_k < 1:
+            return 0.0
+        t0 = time.perf_counter()
+        with self._cond:  # nothing runs yet, but the engine is the scheduler thread's
+            self.engine.calibrate(self.default_k)
+        took = time.perf_counter() - t0
+        log.info("measured the batched step's costs at batch sizes up to %d in %.1fs", self.max_batch, took)
+        return took
+
     # ----------------------------------------------------------------- client side
     def submit(self, job: Job) -> JobStream:
         """Queue a job (call from the event loop); raises QueueFull when the queue is full."""

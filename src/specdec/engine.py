@@ -27,6 +27,7 @@ from specdec.lm import CausalLM, sync
 from specdec.policy import Policy, RoundOutcome
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stats import Stats, summarize
+from specdec.text import IncrementalText
 from specdec.verify import DraftTree, verify_chain, verify_tree
 
 
@@ -60,6 +61,8 @@ class _Request:
     text_sent: int = 0  # characters of text already released to the stream
     hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
     recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
+    text: IncrementalText | None = None  # the answer's text, decoded incrementally (None: no tokenizer)
+    decoded: int = 0  # characters of its text after the previous round (where the stop search resumes)
 
     @property
     def generated(self) -> list[int]:
@@ -219,7 +222,8 @@ class SpeculativeDecoder:
             d.reset()
         self.target.truncate(0)
         return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter(),
-                        recent={d.name: 1.0 for d in self.drafters})
+                        recent={d.name: 1.0 for d in self.drafters},
+                        text=IncrementalText(self.tokenizer) if self.tokenizer is not None else None)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""
@@ -428,9 +432,13 @@ class SpeculativeDecoder:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _apply_stop_strings(self, req: _Request, before: int) -> None:
-        text = self._decode(req.generated)
+        assert req.text is not None
+        text = req.text(req.generated)
         longest = max(len(s) for s in req.stop)
-        search_from = max(0, len(self._decode(req.context[req.n_prompt : before])) - longest)
+        # Resume where the last round's text ended, less a stop string's length and the
+        # few characters an incomplete UTF-8 tail may have shown as U+FFFD.
+        search_from = max(0, req.decoded - longest - 4)
+        req.decoded = len(text)
         hits = [(pos, s) for s in req.stop if (pos := text.find(s, search_from)) >= 0]
         if not hits:
             return
@@ -447,9 +455,9 @@ class SpeculativeDecoder:
         return self._decode(generated) if self.tokenizer is not None else ""
 
     def _final_text(self, req: _Request) -> str:
-        if self.tokenizer is None:
+        if req.text is None:
             return ""
-        text = self._decode(req.generated)
+        text = req.text(req.generated)
         return text[: req.stop_at] if req.stop_at is not None else text
 
     def _release_text(self, req: _Request) -> str:

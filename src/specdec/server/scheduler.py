@@ -49,6 +49,7 @@ from specdec.events import RoundEvent
 from specdec.policy import make_policy
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
+from specdec.text import IncrementalText
 
 log = logging.getLogger("specdec.server")
 
@@ -159,6 +160,7 @@ class _Row:
     text_sent: int = 0  # characters released so far
     decoded: int = 0  # characters of its text after the previous step (where stop search resumes)
     tokens: int = 0
+    text: IncrementalText | None = None  # its answer's text, decoded incrementally
 
 
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
@@ -422,7 +424,8 @@ class Scheduler:
         text = ""
         tok = self.decoder.tokenizer
         if tok is not None:
-            text = _decode(tok, req.generated)
+            row.text = row.text or IncrementalText(tok)
+            text = row.text(req.generated)
             if stream.job.stop and (cut := self._stop(row, text, before)) is not None:
                 text, finish = text[:cut], "stop"
                 engine.release(req)
@@ -457,7 +460,7 @@ class Scheduler:
         """Where a stop string begins in the row's text, cutting its tokens to the fewest
         whose text reaches the end of that stop string; None when none appears."""
         stops, req = row.stream.job.stop, row.request
-        search_from = max(0, row.decoded - max(len(s) for s in stops))
+        search_from = max(0, row.decoded - max(len(s) for s in stops) - 4)  # 4: a U+FFFD tail may shrink
         hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
         if not hits:
             return None

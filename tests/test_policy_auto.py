@@ -116,3 +116,16 @@ def test_median_seconds_warms_up_and_runs_after_outside_the_timing():
     calls = []
     t = median_seconds(lambda: calls.append("fn"), 3, after=lambda: calls.append("after"))
     assert calls == ["fn", "after"] * 4 and t >= 0
+
+
+def test_every_policy_says_what_acceptance_it_has_seen():
+    """A batched step reads each row's acceptance through the one Policy method; a policy
+    that keeps no estimate says so (None) instead of the engine special-casing classes."""
+    from specdec.policy import OptimalPolicy, Policy, RoundOutcome
+
+    assert Policy(3).acceptance() is None
+    optimal = OptimalPolicy(3)
+    before = optimal.acceptance()
+    for _ in range(20):
+        optimal.observe(RoundOutcome(4, 0, 0.01, 0.1, 4, "x"))
+    assert optimal.acceptance() < before

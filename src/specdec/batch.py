@@ -30,7 +30,7 @@ from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
-from specdec.policy import AutoPolicy, Policy, RoundOutcome, make_policy
+from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -393,7 +393,8 @@ class BatchEngine:
         if not any(lens):
             return list(lens)
         names = self.drafter.name if self.drafter is not None else None
-        rates = [r.policy.acceptance(names) if isinstance(r.policy, AutoPolicy) else 0.999 for r in active]
+        rates = [a if r.policy is not None and (a := r.policy.acceptance(names)) is not None else 0.999
+                 for r in active]
 
         def gain(k: int) -> float:
             tokens = sum(expected_tokens_per_round(clamp_acceptance(a), min(k, n)) if n else 1.0

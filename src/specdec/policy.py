@@ -62,6 +62,11 @@ class Policy:
     def observe(self, outcome: RoundOutcome) -> None:
         pass
 
+    def acceptance(self, prophet: str | None = None) -> float | None:
+        """This request's estimate of a drafted token's acceptance (of `prophet`), or None
+        where the policy keeps none (a batched step then assumes its drafts are accepted)."""
+        return None
+
 
 class AdaptivePolicy(Policy):
     name = "adaptive"
@@ -113,6 +118,9 @@ class OptimalPolicy(Policy):
         self.draft_s_per_call, self.target_s = 0.1 * prior_rounds, prior_rounds
         self.draft_calls, self.target_rounds = prior_rounds, prior_rounds
 
+    def acceptance(self, prophet: str | None = None) -> float:
+        return self.accepted / self.proposed
+
     def observe(self, outcome: RoundOutcome) -> None:
         # Acceptance of a position given the ones before it were accepted: accepted / tested.
         tested = min(outcome.drafted, outcome.accepted + 1)
@@ -122,7 +130,7 @@ class OptimalPolicy(Policy):
         self.draft_calls += outcome.draft_calls
         self.target_s += outcome.target_s
         self.target_rounds += 1
-        a = self.accepted / self.proposed
+        a = self.acceptance()
         c = (self.draft_s_per_call / max(self.draft_calls, 1)) / (self.target_s / self.target_rounds)
         self.k = max(range(1, self.k_max + 1),
                      key=lambda k: expected_gain(a, k, c, 1 + self.verify_slope * k))

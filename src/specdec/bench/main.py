@@ -51,6 +51,7 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     from specdec.defaults import models_dir
 
     eagle, medusa = str(models_dir() / "smollm2-eagle"), str(models_dir() / "smollm2-medusa")
+    kangaroo = str(models_dir() / "smollm2-kangaroo")
     base = [Config("plain", "ours"), Config("plain (again)", "ours")]
     peers = [Config("hf plain", "hf-plain")] + ([Config("hf prompt-lookup", "hf-lookup", k=10)] if greedy else [])
     # what load("smollm2") runs: prompt lookup first, eagle elsewhere, auto K up to 8
@@ -63,7 +64,9 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
             Config("ngram auto K<=8", "ours", "ngram", "auto", k=8),
             Config("eagle auto", "ours", eagle, "auto", k=k),
             Config(f"eagle K={k}", "ours", eagle, "fixed", k=k),
-            Config("medusa auto", "ours", medusa, "auto", k=3),
+            Config("medusa auto", "ours", medusa, "auto", k=2),
+            Config("kangaroo auto", "ours", kangaroo, "auto", k=k),
+            Config("int8 auto", "ours", "smollm2:int8", "auto", k=k),
             Config("eagle+ngram best", "ours", f"{eagle}+ngram", "auto", k=k, multi="best")]
     return base + mine + peers
 

@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter, Request
+from specdec.batch import (
+    BatchEngine,
+    BatchLlama,
+    FeatureBatchDrafter,
+    FirstBatchDrafter,
+    ModelBatchDrafter,
+    NgramBatchDrafter,
+    Request,
+)
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
 from specdec.fastllama import FastLlamaLM
@@ -198,13 +206,18 @@ class MarkovBatch:
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
 
     def forward(self, slots, starts, new_ids, n_logits):
+        return self.forward_features(slots, starts, new_ids, n_logits)[0]
+
+    def forward_features(self, slots, starts, new_ids, n_logits):
         out = torch.zeros(len(slots), max(n_logits), self.vocab_size)
+        hidden = torch.zeros(len(slots), max(n_logits), MarkovLM.FEATURE_DIM)
         for b, (slot, start, ids, n) in enumerate(zip(slots, starts, new_ids, n_logits, strict=True)):
             assert start <= len(self.tokens[slot])
             toks = self.tokens[slot] = self.tokens[slot][:start] + list(ids)
             for j in range(n):
                 out[b, j] = self.lm.logits_after(toks[: len(toks) - n + j + 1])
-        return out
+                hidden[b, j] = self.lm.feature_after(toks[: len(toks) - n + j + 1])
+        return out, hidden
 
 
 def markov_models():
@@ -224,8 +237,16 @@ ROWS = [  # (K, settings), all in every batch
 
 
 def toy_engine(drafter: str) -> tuple[BatchEngine, MarkovLM]:
+    """drafter: model, ngram, eagle, medusa (feature prophets with a reduced vocabulary) or
+    ngram+eagle (multi="first": lookup where it matches, eagle elsewhere)."""
+    from tests.test_feature import toy_prophet
+
     target, good = markov_models()
-    d = ModelBatchDrafter(MarkovBatch(good, SLOTS)) if drafter == "model" else NgramBatchDrafter(2)
+    parts = {"model": lambda: ModelBatchDrafter(MarkovBatch(good, SLOTS)), "ngram": lambda: NgramBatchDrafter(2),
+             "eagle": lambda: FeatureBatchDrafter(toy_prophet(target, "eagle", (0, 1, 3))),
+             "medusa": lambda: FeatureBatchDrafter(toy_prophet(target, "medusa", (0, 2, 3, 4)))}
+    names = drafter.split("+")
+    d = parts[names[0]]() if len(names) == 1 else FirstBatchDrafter([parts[n]() for n in names])
     return BatchEngine(MarkovBatch(target, SLOTS), d), target
 
 
@@ -233,7 +254,7 @@ def row_params(settings) -> SamplingParams:
     return SamplingParams(settings["temperature"], settings.get("top_k"), settings.get("top_p", 1.0))
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "eagle", "medusa", "ngram+eagle"])
 def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
     engine, target = toy_engine(drafter)
     requests = [Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N) for k, s in ROWS]
@@ -244,7 +265,7 @@ def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
         assert result.passed, (k, s, result)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "ngram+eagle"])
 def test_rows_with_their_own_auto_policy_match_the_exact_distribution(drafter):
     """Each row owns an AutoPolicy (K from its own acceptance, pauses when no K pays)."""
     engine, target = toy_engine(drafter)
@@ -315,3 +336,61 @@ def test_a_row_is_independent_of_its_neighbours_and_of_earlier_requests():
                             max_batch=6)
     assert mixed[7].generated == alone
     assert engine.generate([Request(PROMPT, 8, row_params(ROWS[0][1]), 3, seed=5)])[0].generated == alone
+
+
+def test_first_prophet_per_row_lookup_then_eagle():
+    """ngram+eagle, multi="first": each row drafts with the first prophet that proposes for
+    it, the step records whose draft each row verified, and a row's feature is fresh."""
+    engine, _ = toy_engine("ngram+eagle")
+    requests = [Request([1, 2, 3, 1, 2], 8, SamplingParams(1.0), 3, seed=i) for i in range(12)]
+    prophets, running = Counter(), list(requests)
+    while running:
+        for e in engine.step(running):
+            prophets[e.prophet] += 1
+            assert e.prophet is None or len(e.drafted) > 0
+        running = [r for r in running if not r.done]
+    assert prophets["ngram"] > 0 and prophets["eagle"] > 0 and prophets[None] > 0
+    assert all(r.feature is None for r in requests)  # finished rows keep no feature
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny_pair, tmp_path_factory):
+    """A random (imperfect) eagle head for the tiny target, saved like a shipped prophet."""
+    from specdec import load
+    from specdec.drafters.feature import FeatureHead, save_head
+
+    dim = load(tiny_pair["target"], draft="none").target.head().shape[1]
+    torch.manual_seed(5)
+    head = FeatureHead("eagle", dim, rank=16, depth=2)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    path = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
+    save_head(head, torch.arange(0, 200), path, {})
+    return str(path)
+
+
+@pytest.mark.parametrize("spec", ["{eagle}", "ngram+{eagle}"])
+def test_batched_feature_prophets_are_greedy_equal(tiny_pair, plain_tiny, tiny_eagle, spec):
+    engine = batch_engine(tiny_pair["target"], spec.format(eagle=tiny_eagle), slots=4, draft_dtype=torch.float32)
+    requests = engine.generate(mixed_requests(engine.target.vocab_size))
+    for r in requests:
+        want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+        assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
+
+
+def test_a_batched_feature_prophet_drafts_what_it_drafts_alone(tiny_pair, tiny_eagle):
+    """The feature each row drafts from is the one the unbatched engine uses (the target's
+    hidden state at the last accepted position): the same drafts, round by round."""
+    from specdec import load
+
+    alone = load(tiny_pair["target"], draft=tiny_eagle, policy="fixed", draft_tokens=3, draft_dtype=torch.float32)
+    engine = batch_engine(tiny_pair["target"], tiny_eagle, slots=3, draft_dtype=torch.float32)
+    prompts = [p[:n] for p, n in zip([r.prompt for r in mixed_requests(engine.target.vocab_size)], (3, 9, 17))]
+    reqs = [Request(p, 16, SamplingParams(0.0), 3) for p in prompts]
+    drafts: dict[int, list[list[int]]] = {id(r): [] for r in reqs}
+    while not all(r.done for r in reqs):
+        for e in engine.step(reqs):
+            drafts[id(e.request)].append(e.drafted)
+    for r in reqs:
+        single = [e.drafted for e in alone.generate(r.prompt, max_new_tokens=16, temperature=0).events]
+        assert drafts[id(r)] == single and any(single)

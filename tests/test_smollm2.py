@@ -20,7 +20,7 @@ def test_chat_answers_and_stops_at_the_end_token(smollm2):
     assert out.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-@pytest.mark.parametrize("prophet", ["smollm2-eagle", "smollm2-medusa", "ngram"])
+@pytest.mark.parametrize("prophet", ["smollm2-eagle", "smollm2-medusa", "smollm2-kangaroo", "ngram"])
 def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
     draft = str(models_dir() / prophet) if prophet.startswith("smollm2") else prophet
     decoder = load("smollm2", draft=draft, policy="fixed", draft_tokens=4)

@@ -21,6 +21,7 @@ from specdec.wiring import (
     load_pretrained,
     resolve_device,
     resolve_dtype,
+    resolve_multi,
     shared_vocab_size,
     wrap,
 )
@@ -68,7 +69,6 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target_lm = wrap(model, target_name, vocab, backend)
     drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
-    if multi == "auto":
-        multi = "first" if len(drafters) > 1 and any(d.reads_features for d in drafters) else "tree"
-    return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens), multi,
+    return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens),
+                              resolve_multi(multi, drafters),
                               eos_ids(model, tokenizer))

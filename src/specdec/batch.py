@@ -53,6 +53,11 @@ class BatchLM(Protocol):
         is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding."""
         ...
 
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the hidden states (B, max(n_logits), D) the head read."""
+        ...
+
 
 class BatchLlama(LlamaWeights):
     """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache slot per row."""
@@ -102,6 +107,13 @@ class BatchLlama(LlamaWeights):
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                 n_logits: Sequence[int]) -> torch.Tensor:
         """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V)."""
+        return self.forward_features(slots, starts, new_ids, n_logits)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `forward`, also returning the hidden states the head read (B, max(n_logits), D),
+        after the final norm: the features that feature prophets draft from."""
         device = self.embed.device
         lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
@@ -127,12 +139,13 @@ class BatchLlama(LlamaWeights):
         self.forward_calls += 1
         m = max(n_logits)
         if m == 0:
-            return torch.zeros(len(slots), 0, self.vocab_size, device=device)
+            return torch.zeros(len(slots), 0, self.vocab_size, device=device), x[:, :0]
         first = lens - torch.tensor(list(n_logits), device=device)  # (B,) first new token with logits
         pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
         pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
         x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
-        return (self._norm(x, self.final_norm) @ self.lm_head.T).float()
+        hidden = self._norm(x, self.final_norm)
+        return (hidden @ self.lm_head.T).float(), hidden.float()
 
 
 @dataclass(eq=False)
@@ -151,6 +164,7 @@ class Request:
     slot: int | None = None  # the cache slot this request holds while it runs
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
     draft_cached: int = 0  # the same for the drafter's slot (its drafter state)
+    feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
 
@@ -188,19 +202,34 @@ class StepEvent:
     next_kind: str  # "recovered" or "bonus" ("error" for a refused request, with next_token -1)
     committed: list[int]  # tokens appended this step, after EOS / length cuts
     finish_reason: str | None
+    prophet: str | None = None  # whose draft was verified (None: no draft, a plain step)
 
 
 @dataclass
 class BatchDraft:
     tokens: list[list[int]]  # (B, k_b) drafted tokens per row
     probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
+    names: list[str | None] | None = None  # the prophet of each row's draft (None: the drafter's name)
+
+    def cut(self, ks: Sequence[int]) -> BatchDraft:
+        return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names)
 
 
 class ModelBatchDrafter:
     """A small model drafting autoregressively for every row at once, each up to its own k_b."""
 
+    reads_features = False
+
     def __init__(self, lm: BatchLM) -> None:
         self.lm, self.name = lm, lm.name
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        slots, starts = [_slot(r) for r in reqs], [r.draft_cached for r in reqs]
+        if min(self.lm.max_length - s for s in starts) <= 1:
+            return {self.name: 0.0}
+        step = lambda: self.lm.forward(slots, starts, [[0]] * len(reqs), [1] * len(reqs))  # noqa: E731
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
 
     def room(self, req: Request) -> int:
         return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
@@ -232,9 +261,13 @@ class NgramBatchDrafter:
     """Prompt lookup per row (see specdec.drafters.ngram): no model, one-hot q."""
 
     name = "ngram"
+    reads_features = False
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {self.name: 0.0}  # a lookup: nothing next to a model's step
 
     def room(self, req: Request) -> int:
         return 1 << 30
@@ -247,7 +280,132 @@ class NgramBatchDrafter:
                            for r, k in zip(reqs, ks, strict=True)], None)
 
 
-BatchDrafter = ModelBatchDrafter | NgramBatchDrafter
+class FeatureBatchDrafter:
+    """A feature prophet (specdec.drafters.feature: eagle or medusa, sharing its heads) for
+    every row at once. A row drafts from the target's feature at its last committed
+    position, which the previous step's verification pass left in `req.feature`; a row
+    without one (it just joined, or its text was cut) drafts nothing this step, and its
+    plain step yields one. q is 0 outside the draft vocabulary (exact, see feature.py)."""
+
+    reads_features = True
+
+    def __init__(self, prophet: Any) -> None:
+        self.prophet, self.name = prophet, prophet.name
+        self.head = prophet.head
+        self.vocab_size = int(prophet.vocab_size)
+
+    def room(self, req: Request) -> int:
+        return 1 << 30
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass
+
+    def _guess(self, h: torch.Tensor, h0: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """The feature whose head gives q at draft step `step` (1-based), for rows (B', D)."""
+        p = self.prophet
+        if self.head.kind == "eagle":
+            return self.head.step(h, p.embed[tokens].to(p.dtype))
+        return self.head.ahead(h0, step)
+
+    def _q_logits(self, guess: torch.Tensor) -> torch.Tensor:
+        p = self.prophet
+        sub = (guess @ p.sub_head.T).float()  # (B', N)
+        logits = torch.full((guess.shape[0], self.vocab_size), float("-inf"), device=sub.device)
+        logits[:, p.vocab_ids] = sub
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        limit = self.head.n_heads if self.head.kind == "medusa" else 1 << 30
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        if not rows:
+            return BatchDraft(tokens, None)
+        k_rows = [min(ks[b], limit) for b in rows]
+        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=self.prophet.sub_head.device)
+        h0 = torch.stack([reqs[b].feature for b in rows]).to(self.prophet.dtype)  # type: ignore[misc]
+        h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
+        for j in range(1, max(k_rows) + 1):
+            h = self._guess(h, h0, last, j)
+            q = _probs_by_params(self._q_logits(h)[:, None], [reqs[b] for b in rows],
+                                 f"drafter '{self.name}'")[:, 0]  # (B', V)
+            greedy = q.argmax(-1).tolist()
+            picked = []
+            for i, b in enumerate(rows):
+                req = reqs[b]
+                token = greedy[i] if req.params.greedy else int(sample(q[i], req.generator))
+                picked.append(token)
+                if k_rows[i] >= j:
+                    tokens[b].append(token)
+                    probs[b, j - 1] = q[i]
+            last = torch.tensor(picked, device=h0.device)
+        return BatchDraft(tokens, probs)
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        p = self.prophet
+        h = torch.zeros(len(reqs), p.sub_head.shape[1], dtype=p.dtype, device=p.sub_head.device)
+        ids = torch.zeros(len(reqs), dtype=torch.long, device=h.device)
+
+        @torch.inference_mode()
+        def step() -> None:
+            torch.softmax(self._q_logits(self._guess(h, h, ids, 1)), -1)
+
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
+
+
+class FirstBatchDrafter:
+    """Several prophets, the first in order that proposes something for a row drafts for it
+    (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere). The
+    choice depends on each row's committed context only, so it stays exact; the verifier
+    sees one-hot q for a deterministic prophet's rows."""
+
+    def __init__(self, parts: Sequence[NgramBatchDrafter | FeatureBatchDrafter]) -> None:
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in parts)
+        self.reads_features = any(p.reads_features for p in parts)
+
+    def room(self, req: Request) -> int:
+        return min(p.room(req) for p in self.parts)
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        for p in self.parts:
+            p.prefill(reqs)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int],
+                budget: Any = None) -> BatchDraft:
+        """budget(req, prophet name) -> K for that prophet (the policy's per-prophet K), or ks."""
+        tokens: list[list[int]] = [[] for _ in reqs]
+        names: list[str | None] = [None] * len(reqs)
+        vocab = next((p.vocab_size for p in self.parts if isinstance(p, FeatureBatchDrafter)), None)
+        q_rows: dict[int, torch.Tensor | None] = {}
+        for part in self.parts:
+            part_ks = [0 if tokens[b] or not k else (min(k, budget(r, part.name)) if budget else k)
+                       for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
+            if not any(part_ks):
+                continue
+            got = part.propose(reqs, part_ks)
+            for b, t in enumerate(got.tokens):
+                if t and not tokens[b]:
+                    tokens[b], names[b] = t, part.name
+                    q_rows[b] = None if got.probs is None else got.probs[b, : len(t)]
+        k_max = max((len(t) for t in tokens), default=0)
+        device = next((q.device for q in q_rows.values() if q is not None), None)
+        if vocab is None or device is None:
+            return BatchDraft(tokens, None, names)
+        probs = torch.zeros(len(reqs), k_max, vocab, device=device)
+        for b, q in q_rows.items():
+            if q is None:  # a deterministic prophet's draft: one-hot q
+                probs[b, torch.arange(len(tokens[b])), torch.tensor(tokens[b], device=device)] = 1.0
+            else:
+                probs[b, : len(q)] = q
+        return BatchDraft(tokens, probs, names)
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
+
+
+BatchDrafter = ModelBatchDrafter | NgramBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
 
 
 def _slot(req: Request) -> int:
@@ -302,23 +460,18 @@ class BatchEngine:
         #    padded to the longest feed, so with auto rows one K for the step is chosen from
         #    the rows' drafts (prompt lookup: after proposing, it is free; a model: before).
         costs = self._policy_costs(active)
-        ks = [self._draft_budget(r) for r in active]
-        if costs is not None and isinstance(self.drafter, ModelBatchDrafter):
-            ks = self._step_k(active, ks, costs)
         d0 = time.perf_counter()
-        if self.drafter is not None and any(ks):
-            draft = self.drafter.propose(active, ks)
-        else:
-            draft = BatchDraft([[] for _ in active], None)
-        if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
-            cut = self._step_k(active, [len(t) for t in draft.tokens], costs)
-            draft = BatchDraft([t[:k] for t, k in zip(draft.tokens, cut, strict=True)], draft.probs)
+        draft = self._draft(active, costs)
         lens = [len(t) for t in draft.tokens]
         d1 = time.perf_counter()
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         feeds = [r.context[r.target_cached:] + t for r, t in zip(active, draft.tokens, strict=True)]
-        logits = self.target.forward([_slot(r) for r in active], [r.target_cached for r in active], feeds,
-                                     [k + 1 for k in lens])  # (B, K+1, V)
+        args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [k + 1 for k in lens])
+        hidden = None
+        if self.drafter is not None and self.drafter.reads_features:
+            logits, hidden = self.target.forward_features(*args)  # (B, K+1, V), (B, K+1, D)
+        else:
+            logits = self.target.forward(*args)  # (B, K+1, V)
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
@@ -330,8 +483,35 @@ class BatchEngine:
         probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
         verdict = verify_rows(draft_tokens, lens, probs, None, target_probs, [r.generator for r in active])
         # 5. Commit per row; finished rows leave and free their slot.
-        return refused + [self._commit(r, t, v.n_accepted, v.next_token, v.next_kind)
-                          for r, t, v in zip(active, draft.tokens, verdict.rows(), strict=True)]
+        names = draft.names or [self.drafter.name if self.drafter else None] * len(active)
+        events = []
+        for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
+            events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b]))
+            # The next token came from the head at the last accepted position: its feature
+            # is where a feature prophet starts next step (none if the commit was cut short).
+            r.feature = hidden[b, v.n_accepted] if hidden is not None and len(events[-1].committed) == \
+                v.n_accepted + 1 and not r.done else None
+        return refused + events
+
+    def _draft(self, active: Sequence[Request], costs: Costs | None) -> BatchDraft:
+        """Up to k_b tokens per row (never past max_new_tokens or a context). Rows are padded
+        to the longest feed, so with auto rows one K for the step is chosen from the rows'
+        acceptance and drafts: before drafting for a model (each step costs), after it for
+        the others (a lookup is free, a feature prophet's batched step nearly so)."""
+        if self.drafter is None:
+            return BatchDraft([[] for _ in active], None)
+        if isinstance(self.drafter, FirstBatchDrafter):
+            ks = [self._draft_budget(r) for r in active]
+            draft = self.drafter.propose(active, ks, budget=self._draft_budget) if any(ks) else \
+                BatchDraft([[] for _ in active], None)
+        else:
+            ks = [self._draft_budget(r, self.drafter.name) for r in active]
+            if costs is not None and isinstance(self.drafter, ModelBatchDrafter):
+                ks = self._step_k(active, ks, costs)
+            draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
+        if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
+            draft = draft.cut(self._step_k(active, [len(t) for t in draft.tokens], costs, draft.names))
+        return draft
 
     def _invalid(self, req: Request) -> str | None:
         """Why a joining request cannot run here, or None."""
@@ -370,12 +550,13 @@ class BatchEngine:
         if self.drafter is not None:
             self.drafter.prefill([r for r in new if r.k > 0])
 
-    def _draft_budget(self, req: Request) -> int:
-        """K for this step, cut so a step never overshoots max_new_tokens (a step yields up to
-        K+1 tokens) or the target's or drafter's context."""
+    def _draft_budget(self, req: Request, prophet: str | None = None) -> int:
+        """K for this step: of `prophet` as the request's policy chooses it (None: the largest
+        the request allows), cut so a step never overshoots max_new_tokens (a step yields up
+        to K+1 tokens) or the target's or drafter's context."""
         if self.drafter is None or req.k == 0:
             return 0
-        k = req.policy.next_k(self.drafter.name) if req.policy is not None else req.k
+        k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)
         room = self.target.max_length - len(req.context)
         return max(0, min(k, req.k, remaining - 1, room, self.drafter.room(req)))
@@ -384,7 +565,8 @@ class BatchEngine:
         """Use these costs at every batch size instead of measuring them (tests, known hardware)."""
         self._costs = {b: costs for b in range(1, self.target.slots + 1)}
 
-    def _step_k(self, active: Sequence[Request], lens: Sequence[int], costs: Costs) -> list[int]:
+    def _step_k(self, active: Sequence[Request], lens: Sequence[int], costs: Costs,
+                names: Sequence[str | None] | None = None) -> list[int]:
         """Each row's draft length cut to the one K that maximises the step's expected
         tokens per second: a row with acceptance a_b and a draft of n_b tokens yields
         tokens(a_b, min(K, n_b)) (1 without a draft), and every row pays for the longest
@@ -392,14 +574,18 @@ class BatchEngine:
         draft lengths and acceptance only, never on drafted tokens, so it stays exact."""
         if not any(lens):
             return list(lens)
-        names = self.drafter.name if self.drafter is not None else None
-        rates = [a if r.policy is not None and (a := r.policy.acceptance(names)) is not None else 0.999
-                 for r in active]
+        default = self.drafter.name if self.drafter is not None else None
+        row_names = [n or default for n in names] if names else [default] * len(active)
+        rates = [a if r.policy is not None and (a := r.policy.acceptance(n)) is not None else 0.999
+                 for r, n in zip(active, row_names, strict=True)]
+        # The step drafts as long as its costliest prophet in use (a lookup costs nothing).
+        used = {n for n, k in zip(row_names, lens, strict=True) if k and n}
+        prophet = max(used, key=lambda n: costs.t_draft_by.get(n, costs.t_draft), default=default)
 
         def gain(k: int) -> float:
             tokens = sum(expected_tokens_per_round(clamp_acceptance(a), min(k, n)) if n else 1.0
                          for a, n in zip(rates, lens, strict=True))
-            return costs.speedup(tokens / len(active), k, names)
+            return costs.speedup(tokens / len(active), k, prophet)
 
         best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
         return [min(n, best) for n in lens]
@@ -451,14 +637,11 @@ class BatchEngine:
         sizes = [n for n in range(1, k_max + 2) if n <= room]
         t_verify = {n: timed(lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active),
                                                              [n] * len(active))) for n in sizes}
-        t_draft = 0.0
-        if isinstance(self.drafter, ModelBatchDrafter):
-            lm, d_starts = self.drafter.lm, [r.draft_cached for r in active]
-            if min(lm.max_length - s for s in d_starts) > 1:
-                t_draft = timed(lambda: lm.forward(slots, d_starts, [[0]] * len(active), [1] * len(active)))
-        return Costs(t_verify[1], t_verify, t_draft, 1, {self.drafter.name: t_draft} if self.drafter else {})
+        by_name = self.drafter.draft_costs(active) if self.drafter is not None else {}
+        return Costs(t_verify[1], t_verify, max(by_name.values(), default=0.0), 1, by_name)
 
-    def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str) -> StepEvent:
+    def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
+                prophet: str | None = None) -> StepEvent:
         """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context."""
         before = len(req.context)
         for token in [*drafted[:n_accepted], next_token]:
@@ -468,8 +651,7 @@ class BatchEngine:
             if req.finish_reason:
                 break
         if req.policy is not None and self.drafter is not None:
-            req.policy.observe(RoundOutcome(len(drafted), n_accepted, 0.0, 0.0, 0,
-                                            self.drafter.name if drafted else None))
+            req.policy.observe(RoundOutcome(len(drafted), n_accepted, 0.0, 0.0, 0, prophet if drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = min(req.draft_cached, before + n_accepted)
@@ -477,7 +659,7 @@ class BatchEngine:
             self._free.append(req.slot)
             req.slot = None
         return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],
-                         req.finish_reason)
+                         req.finish_reason, prophet if drafted else None)
 
     # ----------------------------------------------------------------- many prompts
     def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = 128,
@@ -556,7 +738,9 @@ class BatchEngine:
 
 def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (a feature prophet, layerskip, several prophets)."""
+    target or prophets have no batched path (layerskip, kangaroo, retrieval, an int8 copy,
+    a model among several prophets, several prophets other than multi="first")."""
+    from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.ngram import NgramDrafter
 
@@ -564,22 +748,29 @@ def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
     if slots in cache:
         return cache[slots]
     target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
-    if target_model is None or not supports(target_model) or len(decoder.drafters) > 1:
+    if target_model is None or not supports(target_model):
         return None
-    drafter: BatchDrafter | None = None
-    if decoder.drafters:
-        d = decoder.drafters[0]
+    parts: list[BatchDrafter] = []
+    for d in decoder.drafters:
         if isinstance(d, NgramDrafter):
-            drafter = NgramBatchDrafter(d.n_max, d.n_min)
+            parts.append(NgramBatchDrafter(d.n_max, d.n_min))
+        elif isinstance(d, FeatureDrafter):
+            parts.append(FeatureBatchDrafter(d))
         elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
-            drafter = ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size))
+            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size)))
         else:
             return None
+    drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
+    if len(parts) > 1:
+        simple = [p for p in parts if isinstance(p, NgramBatchDrafter | FeatureBatchDrafter)]
+        if decoder.multi != "first" or len(simple) != len(parts):
+            return None
+        drafter = FirstBatchDrafter(simple)
     engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
                          decoder.eos_token_ids, decoder.tokenizer)
     cache[slots] = engine
     return engine
 
 
-__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "ModelBatchDrafter", "NgramBatchDrafter",
-           "Request", "StepEvent"]
+__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "FeatureBatchDrafter", "FirstBatchDrafter",
+           "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]

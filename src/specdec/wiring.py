@@ -349,23 +349,35 @@ for _kind in (
     _REGISTRY.append(_kind)
 
 
+def resolve_multi(multi: str, drafters: list[Drafter]) -> str:
+    """multi="auto": "first" when a feature prophet is among several, else "tree"."""
+    if multi == "auto":
+        return "first" if len(drafters) > 1 and any(d.reads_features for d in drafters) else "tree"
+    return multi
+
+
 def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype = torch.float32,
-                 draft_dtype: torch.dtype | None = None) -> Any:
-    """A BatchEngine. target: a path, hub id or "smollm2"; draft: None (plain), "ngram", or a
-    model with the target's tokenizer."""
-    from specdec.batch import BatchDrafter, BatchEngine, BatchLlama, ModelBatchDrafter, NgramBatchDrafter
+                 draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
+    """A BatchEngine with `slots` cache slots. target: a path, hub id or "smollm2"; draft:
+    None (plain) or a `--draft` spec with a batched path: "ngram", a model with the target's
+    tokenizer, a feature prophet, or several of the cheap ones with multi "first"."""
+    from specdec.batch import engine_for
+    from specdec.engine import SpeculativeDecoder
+    from specdec.policy import make_policy
 
     model, tok = load_pretrained(target, dtype, role="target")
     vocab = shared_vocab_size(model, tok, None, None, target, None)
-    drafter: BatchDrafter | None = None
-    if draft == "ngram":
-        drafter = NgramBatchDrafter()
-    elif draft is not None:
-        d_model, d_tok = load_pretrained(draft, draft_dtype or default_draft_dtype(), role="drafter")
-        vocab = shared_vocab_size(model, tok, d_model, d_tok, target, draft)
-        drafter = ModelBatchDrafter(BatchLlama(d_model, draft, slots, vocab))
-    return BatchEngine(BatchLlama(model, target, slots, vocab), drafter, eos_ids(model, tok), tok)
+    target_lm = wrap(model, target, vocab)
+    drafters = build_drafters(draft or "none", target_lm, tok, dtype=draft_dtype or default_draft_dtype())
+    decoder = SpeculativeDecoder(target_lm, drafters, tok, make_policy("fixed", 4), resolve_multi(multi, drafters),
+                                 eos_ids(model, tok))
+    engine = engine_for(decoder, slots)
+    if engine is None:
+        raise ValueError(f"'{draft}' has no batched path (layerskip, kangaroo, retrieval, int8 copies and "
+                         "several prophets other than --multi first run one request at a time)")
+    return engine
 
 
-__all__ = ["batch_engine", "ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids", "parse_draft",
-           "prophet_kinds", "register", "resolve_device", "resolve_dtype", "short_name", "wrap"]
+__all__ = ["batch_engine", "ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids",
+           "parse_draft", "prophet_kinds", "register", "resolve_device", "resolve_dtype", "resolve_multi",
+           "short_name", "wrap"]

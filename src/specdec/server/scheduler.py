@@ -439,7 +439,7 @@ class Scheduler:
         committed = req.generated[before:]
         (draft0, draft1), (target0, target1) = engine.last_spans
         model_drafter = isinstance(engine.drafter, ModelBatchDrafter)
-        event = RoundEvent(index=row.rounds, drafter=engine.drafter.name if e.drafted and engine.drafter else None,
+        event = RoundEvent(index=row.rounds, drafter=e.prophet,
                            k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted, next_token=e.next_token,
                            next_kind=e.next_kind, committed=list(committed),
                            draft_calls=len(e.drafted) if model_drafter else 0, target_calls=1,

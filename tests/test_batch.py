@@ -385,7 +385,7 @@ def test_a_batched_feature_prophet_drafts_what_it_drafts_alone(tiny_pair, tiny_e
 
     alone = load(tiny_pair["target"], draft=tiny_eagle, policy="fixed", draft_tokens=3, draft_dtype=torch.float32)
     engine = batch_engine(tiny_pair["target"], tiny_eagle, slots=3, draft_dtype=torch.float32)
-    prompts = [p[:n] for p, n in zip([r.prompt for r in mixed_requests(engine.target.vocab_size)], (3, 9, 17))]
+    prompts = [r.prompt for r in mixed_requests(engine.target.vocab_size)][:3]
     reqs = [Request(p, 16, SamplingParams(0.0), 3) for p in prompts]
     drafts: dict[int, list[list[int]]] = {id(r): [] for r in reqs}
     while not all(r.done for r in reqs):

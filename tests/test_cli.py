@@ -54,11 +54,11 @@ def test_errors_are_clear_and_exit_2(tiny_pair, capsys, args, msg):
 
 
 @pytest.mark.parametrize("argv,draft", [
-    (["serve", "--target", "smollm2"], "ngram"),  # the server's default: a prophet with a batched path
-    (["serve", "--target", "smollm2", "--max-batch", "1"], "default"),  # one at a time: the target's own default
+    (["serve", "--target", "smollm2"], "default"),  # its default prophets have a batched path
+    (["serve", "--target", "smollm2", "--max-batch", "1"], "default"),
     (["serve", "--target", "smollm2", "--draft", "none"], "none"),
 ])
-def test_serve_picks_a_default_prophet_with_a_batched_path(monkeypatch, argv, draft):
+def test_serve_keeps_the_requested_prophet(monkeypatch, argv, draft):
     import specdec.cli as cli
 
     seen = []

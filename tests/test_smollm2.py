@@ -41,3 +41,18 @@ def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm
     got = decoder.generate(messages=messages, max_new_tokens=24, temperature=0)
     assert got.token_ids == want.token_ids
     assert {e.drafter for e in got.events if e.drafted} == {"ngram", "smollm2-eagle"}  # both drafted
+
+
+def test_the_default_prophets_batch_on_the_real_target(smollm2):
+    """What `specdec serve --target smollm2` runs: lookup first, eagle elsewhere, in batched
+    steps; every row's greedy tokens are what it decodes alone."""
+    from specdec.batch import engine_for
+
+    decoder = load("smollm2")
+    engine = engine_for(decoder, 3)
+    assert engine is not None and engine.drafter.name == "ngram+smollm2-eagle"
+    texts = [*PROMPTS, "Copy this sentence exactly: the cat sat on the mat, and the cat sat on the mat."]
+    prompts = [decoder.chat_ids([{"role": "user", "content": p}]) for p in texts]
+    outs = decoder.generate_many(prompts, max_batch=3, max_new_tokens=20, temperature=0.0)
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == smollm2.generate(ids, max_new_tokens=20, temperature=0).token_ids

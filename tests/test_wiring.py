@@ -67,5 +67,4 @@ def test_default_prophets():
 
     assert default_drafter_for(default_target()) == default_drafter()
     assert default_drafter_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
-    assert default_drafter_for("smollm2", batched=True) == "ngram"  # the server: a prophet with a batched path
     assert default_drafter_for("some/other-model") == "none"

@@ -266,10 +266,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_draft_tokens=args.max_draft_tokens)
     if config.max_batch < 1 or config.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
-    if args.draft == "default" and config.max_batch > 1:
-        from specdec.defaults import default_drafter_for, default_target
-
-        args.draft = default_drafter_for(args.target or default_target(), batched=True)
     decoder = _load(args)
     uvicorn.run(create_app(decoder, args.model_name, config), host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)

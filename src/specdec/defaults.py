@@ -22,20 +22,19 @@ def default_drafter() -> str:
     return str(models_dir() / "drafter")
 
 
-def default_drafter_for(target: str, batched: bool = False) -> str:
+def default_drafter_for(target: str) -> str:
     """The measured best prophet for a target: the bundled drafter for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
-    benchmark against 1.59x for prompt lookup alone, see the README); none (plain decoding)
-    for anything else. batched (the server): a prophet with a batched path, so that
-    concurrent requests share steps (prompt lookup alone for smollm2)."""
+    benchmark against 1.59x for prompt lookup alone, and batched 1.25x at 8 rows against
+    1.11x, see the README); none (plain decoding) for anything else."""
     from specdec.gguf import is_alias
 
     if Path(target).resolve() == Path(default_target()).resolve():
         return default_drafter()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
-        return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() and not batched else "ngram"
+        return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"
     return "none"
 
 

@@ -158,10 +158,10 @@ class SpeculativeDecoder:
                       **settings: Any) -> list[Generation]:
         """Generate for many prompts; each may be a dict carrying its own settings
         ({"prompt" or "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-        "draft_tokens"}), the rest take `settings`. With no drafter, a model drafter or
-        ngram on a Llama target, they run as one batch (specdec.batch: rows join and leave,
-        each accepts its own number of tokens); otherwise (other prophets, stop strings) one
-        after another. Either way each result follows the target's distribution exactly, and
+        "draft_tokens"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
+        feature prophet, or ngram and a feature prophet with multi "first" on a Llama target,
+        they run as one batch (specdec.batch: rows join and leave, each accepts its own number
+        of tokens); otherwise (other prophets, stop strings) one after another. Either way each result follows the target's distribution exactly, and
         greedy results are the tokens `generate` gives for that prompt alone (a sampled row's
         auto K depends on the batch size, so its seed fixes its output for that batch only)."""
         items = [dict(p) if isinstance(p, dict) else {"prompt": p} for p in prompts]

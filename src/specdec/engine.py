@@ -161,9 +161,10 @@ class SpeculativeDecoder:
         "draft_tokens"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
         feature prophet, or ngram and a feature prophet with multi "first" on a Llama target,
         they run as one batch (specdec.batch: rows join and leave, each accepts its own number
-        of tokens); otherwise (other prophets, stop strings) one after another. Either way each result follows the target's distribution exactly, and
-        greedy results are the tokens `generate` gives for that prompt alone (a sampled row's
-        auto K depends on the batch size, so its seed fixes its output for that batch only)."""
+        of tokens); otherwise (other prophets, stop strings) one after another. Either way
+        each result follows the target's distribution exactly, and greedy results are the
+        tokens `generate` gives for that prompt alone (a sampled row's auto K depends on the
+        batch size, so its seed fixes its output for that batch only)."""
         items = [dict(p) if isinstance(p, dict) else {"prompt": p} for p in prompts]
         jobs = [{**settings, **item} for item in items]
         for job in jobs:

@@ -75,7 +75,7 @@ def test_early_exit_restores_the_model_even_on_error(tiny_pair, monkeypatch):
         seen.append(model.config.num_hidden_layers)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(model, "forward", boom)
+    monkeypatch.setattr(model.model, "forward", boom)  # early exit runs the decoder stack, then the head
     with pytest.raises(RuntimeError):
         lm.early_exit([1, 2, 3], 1)
     assert seen == [1] and model.config.num_hidden_layers == 3

@@ -18,3 +18,19 @@ def tiny_pair(tmp_path_factory):
     from tests.tiny import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle(tiny_pair, tmp_path_factory):
+    """A random (imperfect) eagle head for the tiny target, saved like a shipped prophet."""
+    from specdec import load
+    from specdec.drafters.feature import FeatureHead, save_head
+
+    dim = load(tiny_pair["target"], draft="none").target.head().shape[1]
+    torch.manual_seed(5)
+    head = FeatureHead("eagle", dim, rank=16, depth=2)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    path = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
+    save_head(head, torch.arange(0, 200), path, {})
+    return str(path)

@@ -353,22 +353,6 @@ def test_first_prophet_per_row_lookup_then_eagle():
     assert all(r.feature is None for r in requests)  # finished rows keep no feature
 
 
-@pytest.fixture(scope="module")
-def tiny_eagle(tiny_pair, tmp_path_factory):
-    """A random (imperfect) eagle head for the tiny target, saved like a shipped prophet."""
-    from specdec import load
-    from specdec.drafters.feature import FeatureHead, save_head
-
-    dim = load(tiny_pair["target"], draft="none").target.head().shape[1]
-    torch.manual_seed(5)
-    head = FeatureHead("eagle", dim, rank=16, depth=2)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    path = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
-    save_head(head, torch.arange(0, 200), path, {})
-    return str(path)
-
-
 @pytest.mark.parametrize("spec", ["{eagle}", "ngram+{eagle}"])
 def test_batched_feature_prophets_are_greedy_equal(tiny_pair, plain_tiny, tiny_eagle, spec):
     engine = batch_engine(tiny_pair["target"], spec.format(eagle=tiny_eagle), slots=4, draft_dtype=torch.float32)

@@ -353,3 +353,34 @@ def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):
             assert r.status_code == 200
             assert r.json()["choices"][0]["text"] == plain_text(dec, "def ", 12)
         assert engine._costs == measured and sorted(engine._free) == list(range(6))
+
+
+def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eagle):
+    """Lookup first, a feature prophet elsewhere (smollm2's default shape) runs batched:
+    concurrent greedy streams equal plain decoding, and each round says whose draft it was."""
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", draft_tokens=3)
+    prompts = ["def ", "import os\nimport os\nimport", "class A:", "x = [1, 2, 1, 2, 1,"]
+    want = {p: plain_text(dec, p, 20) for p in prompts}
+    got: dict[str, str] = {}
+    prophets: set = set()
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=4))) as url:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/v1/models/tiny").json()["specdec"]["batching"] == "batched"
+        start = threading.Barrier(len(prompts))
+
+        def ask(p):
+            with httpx.Client(base_url=url, timeout=60) as c:
+                start.wait(10)
+                payload = {"prompt": p, "max_tokens": 20, "temperature": 0, "stream": True}
+                with c.stream("POST", "/v1/completions", json=payload) as r:
+                    chunks = sse_chunks(r.iter_lines())[:-1]
+            got[p] = "".join(ch["choices"][0]["text"] for ch in chunks)
+            prophets.update(ch["specdec"]["prophet"] for ch in chunks if ch.get("specdec"))
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert got == want
+    assert {"ngram", "tiny-eagle", None} <= prophets

@@ -325,7 +325,7 @@ class _Shape:
             while isinstance(item, Round):
                 e = item.event
                 self.completion_tokens += len(e.committed)
-                extra = {"round": e.index, "drafted": item.drafted_text, "drafted_ids": e.drafted,
+                extra = {"round": e.index, "prophet": e.drafter, "drafted": item.drafted_text, "drafted_ids": e.drafted,
                          "accepted": e.accepted, "next_kind": e.next_kind, "next_token": item.next_text,
                          "committed": len(e.committed), "draft_ms": round(e.draft_s * 1e3, 3),
                          "target_ms": round(e.target_s * 1e3, 3), "start_ms": round(e.start * 1e3, 3),

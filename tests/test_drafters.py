@@ -62,7 +62,9 @@ def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
 # ---------------------------------------------------------------- layer skip
 
 
-def test_early_exit_restores_the_model_even_on_error(tiny_pair, monkeypatch):
+def test_early_exit_never_edits_the_models_config(tiny_pair):
+    """Early exit on a Hugging Face model runs a cut copy of its decoder stack: the model
+    (which another request's decoder may share) keeps all its layers, during and after."""
     from transformers import AutoModelForCausalLM
 
     from specdec.lm import HFCausalLM
@@ -70,15 +72,18 @@ def test_early_exit_restores_the_model_even_on_error(tiny_pair, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     lm = HFCausalLM(model, "t")
     seen = []
-
-    def boom(*args, **kwargs):
-        seen.append(model.config.num_hidden_layers)
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(model.model, "forward", boom)  # early exit runs the decoder stack, then the head
-    with pytest.raises(RuntimeError):
-        lm.early_exit([1, 2, 3], 1)
-    assert seen == [1] and model.config.num_hidden_layers == 3
+    last = model.model.layers[-1]
+    first = model.model.layers[0]
+    first.register_forward_hook(lambda *a: seen.append(("first", model.config.num_hidden_layers)))
+    last.register_forward_hook(lambda *a: seen.append(("last", model.config.num_hidden_layers)))
+    lm.forward([1, 2, 3], 1)
+    assert seen == [("first", 3), ("last", 3)]
+    seen.clear()
+    logits = lm.early_exit([4], 1)
+    assert seen == [("first", 3)] and model.config.num_hidden_layers == 3  # layer 0 only, config untouched
+    hidden = model(input_ids=torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states[1]
+    want = model.lm_head(model.model.norm(hidden[0, -1]))
+    assert torch.allclose(logits, want[: lm.vocab_size].float(), atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["hf", "fast"])

@@ -18,6 +18,7 @@ has table-based models behind the same interface, whose exact distributions are 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -124,7 +125,19 @@ class HFCausalLM:
         self._cache_cls = DynamicCache
         self.device = next(model.parameters()).device
         self.n_layers = int(model.config.num_hidden_layers)  # early exit may stop after any of them
+        self._stacks: dict[int, Any] = {}  # early exit: the decoder stack cut to L layers, by L
         self.reset()
+
+    def _stack(self, layers: int) -> Any:
+        """The decoder stack running only its first `layers` layers: a shallow copy of the
+        model's stack (the same layer modules and weights) with a config copy of its own, so
+        early exit never edits the model's shared config."""
+        if layers not in self._stacks:
+            stack = copy.copy(self.model.model)  # a new __dict__: the same submodules and weights
+            stack.config = copy.copy(self.model.config)
+            stack.config.num_hidden_layers = layers
+            self._stacks[layers] = stack
+        return self._stacks[layers]
 
     def fresh(self) -> HFCausalLM:
         """Another view of the same weights with its own, empty cache."""
@@ -205,18 +218,11 @@ class HFCausalLM:
     @torch.inference_mode()
     def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
         """What the head would read after the first `layers` layers (their output through the
-        final norm), (n_last, D) for the last n_last new ids. The layer count is lowered
-        through the config inside try/finally, so the model is whole again after."""
-        config = self.model.config
+        final norm), (n_last, D) for the last n_last new ids."""
         start = self.cache.get_seq_length()  # layer 0 holds committed + earlier draft entries
         positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
-        full = config.num_hidden_layers
-        config.num_hidden_layers = layers
-        try:
-            out = self.model.model(input_ids=torch.tensor([list(new_ids)], device=self.device),
-                                   position_ids=positions, cache=self.cache, use_cache=True)
-        finally:
-            config.num_hidden_layers = full
+        out = self._stack(layers)(input_ids=torch.tensor([list(new_ids)], device=self.device),
+                                  position_ids=positions, cache=self.cache, use_cache=True)
         self.forward_calls += 1
         return out.last_hidden_state[0, -n_last:].float()
 

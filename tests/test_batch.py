@@ -378,3 +378,21 @@ def test_a_batched_feature_prophet_drafts_what_it_drafts_alone(tiny_pair, tiny_e
     for r in reqs:
         single = [e.drafted for e in alone.generate(r.prompt, max_new_tokens=16, temperature=0).events]
         assert drafts[id(r)] == single and any(single)
+
+
+def test_a_row_may_keep_to_some_of_the_prophets(tiny_pair, plain_tiny, tiny_eagle):
+    """Request.prophets: a row drafts only with the named prophets (none: plain steps); the
+    others in the step are unaffected; all stay greedy-equal."""
+    engine = batch_engine(tiny_pair["target"], f"ngram+{tiny_eagle}", slots=3, draft_dtype=torch.float32)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    reqs = [Request(prompt, 16, SamplingParams(0.0), 3, prophets=frozenset(only)) if only is not None
+            else Request(prompt, 16, SamplingParams(0.0), 3) for only in (["ngram"], [], None)]
+    seen: dict[int, set] = {id(r): set() for r in reqs}
+    while not all(r.done for r in reqs):
+        for e in engine.step(reqs):
+            seen[id(e.request)].add(e.prophet)
+    assert seen[id(reqs[0])] <= {"ngram", None} and "ngram" in seen[id(reqs[0])]
+    assert seen[id(reqs[1])] == {None}
+    assert "tiny-eagle" in seen[id(reqs[2])]
+    want = plain_tiny.generate(prompt, max_new_tokens=16, temperature=0).token_ids
+    assert all(r.generated == want for r in reqs)

@@ -68,3 +68,18 @@ def test_alpha_estimates_the_per_position_acceptance():
                               policy=Policy(4))
     s = poor.generate([1, 2], max_new_tokens=200, temperature=1.0, seed=0).stats
     assert 0 < s.alpha < 1 and s.alpha > s.acceptance_rate
+
+
+def test_a_request_may_keep_to_some_of_the_loaded_prophets(tiny_pair, tiny_eagle):
+    from specdec import load
+
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", draft_tokens=3)
+    prompt = "x = [1, 2, 1, 2, 1, 2, 1,"
+    want = dec.plain().generate(prompt, max_new_tokens=16, temperature=0).token_ids
+    only = dec.generate(prompt, max_new_tokens=16, temperature=0, prophets=["tiny-eagle"])
+    assert only.token_ids == want and {e.drafter for e in only.events} <= {"tiny-eagle", None}
+    both = dec.generate(prompt, max_new_tokens=16, temperature=0)
+    assert both.token_ids == want and "ngram" in {e.drafter for e in both.events}
+    assert all(e.drafter is None for e in dec.generate(prompt, max_new_tokens=8, prophets=[]).events)
+    with pytest.raises(ValueError, match="not loaded.*'ngram', 'tiny-eagle'"):
+        dec.generate(prompt, max_new_tokens=4, prophets=["medusa"])

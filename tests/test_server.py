@@ -382,5 +382,14 @@ def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eag
             t.start()
         for t in threads:
             t.join(60)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            body = {"prompt": prompts[1], "max_tokens": 20, "temperature": 0, "stream": True,
+                    "specdec": {"draft": "tiny-eagle"}}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                chunks = sse_chunks(r.iter_lines())[:-1]
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == want[prompts[1]]
+            assert {ch["specdec"]["prophet"] for ch in chunks} <= {"tiny-eagle", None}
+            bad = c.post("/v1/completions", json={"prompt": "x", "specdec": {"draft": "medusa"}})
+            assert bad.status_code == 400 and "ngram, tiny-eagle joined by '+'" in bad.json()["error"]["message"]
     assert got == want
     assert {"ngram", "tiny-eagle", None} <= prophets

@@ -158,6 +158,7 @@ class Request:
     k: int = 4  # draft length per step (0 = plain decoding); with a policy, the largest K it may choose
     seed: int | None = None
     policy: Policy | None = None  # this request's own K policy (e.g. AutoPolicy); None: always k
+    prophets: frozenset[str] | None = None  # of the engine's prophets, those that may draft for it (None: all)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
     error: str | None = None  # why the engine refused this request (the others in its step go on)
@@ -380,7 +381,8 @@ class FirstBatchDrafter:
         vocab = next((p.vocab_size for p in self.parts if isinstance(p, FeatureBatchDrafter)), None)
         q_rows: dict[int, torch.Tensor | None] = {}
         for part in self.parts:
-            part_ks = [0 if tokens[b] or not k else (min(k, budget(r, part.name)) if budget else k)
+            part_ks = [0 if tokens[b] or not k or not _allowed(r, part.name) else
+                       (min(k, budget(r, part.name)) if budget else k)
                        for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
             if not any(part_ks):
                 continue
@@ -406,6 +408,10 @@ class FirstBatchDrafter:
 
 
 BatchDrafter = ModelBatchDrafter | NgramBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
+
+
+def _allowed(req: Request, prophet: str) -> bool:
+    return req.prophets is None or prophet in req.prophets
 
 
 def _slot(req: Request) -> int:
@@ -554,7 +560,7 @@ class BatchEngine:
         """K for this step: of `prophet` as the request's policy chooses it (None: the largest
         the request allows), cut so a step never overshoots max_new_tokens (a step yields up
         to K+1 tokens) or the target's or drafter's context."""
-        if self.drafter is None or req.k == 0:
+        if self.drafter is None or req.k == 0 or (prophet is not None and not _allowed(req, prophet)):
             return 0
         k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)

@@ -62,11 +62,25 @@ class _Request:
     hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
     recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
     text: IncrementalText | None = None  # the answer's text, decoded incrementally (None: no tokenizer)
+    prophets: frozenset[str] | None = None  # the loaded prophets that may draft for it (None: all)
     decoded: int = 0  # characters of its text after the previous round (where the stop search resumes)
 
     @property
     def generated(self) -> list[int]:
         return self.context[self.n_prompt :]
+
+
+def check_prophets(prophets: Sequence[str] | None, loaded: Sequence[str]) -> frozenset[str] | None:
+    """A request's choice among the loaded prophets (by name), checked; None: all of them."""
+    if prophets is None:
+        return None
+    if isinstance(prophets, str) or not all(isinstance(p, str) for p in prophets):
+        raise ValueError("prophets must be a list of prophet names")
+    unknown = [p for p in prophets if p not in loaded]
+    if unknown:
+        raise ValueError(f"prophet(s) {', '.join(map(repr, unknown))} not loaded; this decoder has "
+                         f"{', '.join(map(repr, loaded)) or 'none'}")
+    return frozenset(prophets)
 
 
 def _check_text(text: str, what: str) -> None:
@@ -146,10 +160,12 @@ class SpeculativeDecoder:
     def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                  draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
-                 messages: Sequence[dict[str, str]] | None = None) -> Generation:
+                 messages: Sequence[dict[str, str]] | None = None,
+                 prophets: Sequence[str] | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         prompt = self._chat_or_prompt(prompt, messages)
-        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
+        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
+                          prophets)
         events = list(self._rounds(req, release_text=False))
         return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
                           req.finish_reason or "length", events, summarize(events))
@@ -182,12 +198,15 @@ class SpeculativeDecoder:
     def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
                top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
-               messages: Sequence[dict[str, str]] | None = None) -> Iterator[RoundEvent]:
+               messages: Sequence[dict[str, str]] | None = None,
+               prophets: Sequence[str] | None = None) -> Iterator[RoundEvent]:
         """Yield one event per round; each carries the text it releases (`event.text`).
         `messages` ([{"role": ..., "content": ...}], instead of a prompt) is formatted with the
-        tokenizer's chat template; the template's end token ends the answer."""
+        tokenizer's chat template; the template's end token ends the answer. `prophets`: only
+        these of the loaded prophets draft for this request (by name; None: all)."""
         prompt = self._chat_or_prompt(prompt, messages)
-        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop)
+        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
+                          prophets)
         yield from self._rounds(req, release_text=True)
 
     def _rounds(self, req: _Request, release_text: bool) -> Iterator[RoundEvent]:
@@ -202,7 +221,9 @@ class SpeculativeDecoder:
 
     # ----------------------------------------------------------------- a request
     def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
-               draft_tokens: int | None, stop: str | Sequence[str] | None) -> _Request:
+               draft_tokens: int | None, stop: str | Sequence[str] | None,
+               prophets: Sequence[str] | None = None) -> _Request:
+        allowed = check_prophets(prophets, [d.name for d in self.drafters])
         ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -223,7 +244,7 @@ class SpeculativeDecoder:
             d.reset()
         self.target.truncate(0)
         return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter(),
-                        recent={d.name: 1.0 for d in self.drafters},
+                        recent={d.name: 1.0 for d in self.drafters}, prophets=allowed,
                         text=IncrementalText(self.tokenizer) if self.tokenizer is not None else None)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -337,19 +358,20 @@ class SpeculativeDecoder:
         """This round's K, its non-empty drafts and the prophet the policy keeps evidence
         for: every prophet's drafts ("*", a tree), the best recent one's, or the first
         prophet's that proposes something."""
-        if not self.drafters:
+        drafters = [d for d in self.drafters if req.prophets is None or d.name in req.prophets]
+        if not drafters:
             return 0, [], None
-        if self.multi == "tree" or len(self.drafters) == 1:
-            prophet = self.drafters[0].name if len(self.drafters) == 1 else "*"
+        if self.multi == "tree" or len(drafters) == 1:
+            prophet = drafters[0].name if len(drafters) == 1 else "*"
             k = self._draft_budget(req, prophet)
             if k == 0:
                 return 0, [], None
             drafts = [d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting())
-                      for d in self.drafters]
+                      for d in drafters]
             return k, [d for d in drafts if len(d)], prophet
-        order = self.drafters
+        order = drafters
         if self.multi == "best":
-            order = [max(self.drafters, key=lambda d: req.recent[d.name])]
+            order = [max(drafters, key=lambda d: req.recent[d.name])]
         for d in order:
             k = self._draft_budget(req, d.name)
             if k == 0:

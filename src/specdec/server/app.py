@@ -90,9 +90,14 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         if opts.draft_tokens is not None and opts.draft_tokens > config.max_draft_tokens:
             raise ApiError(400, f"specdec.draft_tokens may be at most {config.max_draft_tokens} on this server",
                            "specdec.draft_tokens")
-        if opts.draft not in (None, "default", prophet, "none"):
-            raise ApiError(400, f"specdec.draft: this server has prophet '{prophet}' loaded; choose 'default' or "
-                                "'none' (plain decoding)", "specdec.draft")
+        names = [d.name for d in decoder.drafters]
+        chosen: list[str] | None = None  # all the loaded prophets
+        if opts.draft not in (None, "default", "none"):
+            chosen = opts.draft.split("+")
+            if not names or any(c not in names for c in chosen) or len(set(chosen)) != len(chosen):
+                raise ApiError(400, f"specdec.draft: this server has prophet '{prophet}' loaded; choose 'default', "
+                                    "'none' (plain decoding)" + (f" or some of {', '.join(names)} joined by '+'"
+                                                                   if len(names) > 1 else ""), "specdec.draft")
         if opts.policy not in (None, policy):
             raise ApiError(400, f"specdec.policy: this server runs policy '{policy}' only", "specdec.policy")
         room = decoder.target.max_length - prompt_len
@@ -105,7 +110,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             raise ApiError(400, "stop strings must be non-empty", "stop")
         return Job(ids=[], max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k or None,
                    top_p=body.top_p, seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
-                   plain=opts.draft == "none" and prophet != "none", details=opts.rounds, timeout_s=config.timeout_s,
+                   plain=opts.draft == "none" and prophet != "none", prophets=chosen, details=opts.rounds,
+                   timeout_s=config.timeout_s,
                    endpoint=endpoint)
 
     def check_common(body: _Sampling) -> None:

@@ -41,7 +41,8 @@ class SpecdecOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     draft_tokens: int | None = Field(default=None, ge=1, description="K, tokens drafted per round")
-    draft: str | None = Field(default=None, description="'default' (the loaded prophet) or 'none' (plain decoding)")
+    draft: str | None = Field(default=None, description="'default' (the loaded prophets), 'none' (plain decoding), "
+                                                        "or some of the loaded prophets joined by '+'")
     policy: str | None = Field(default=None, description="draft-length policy; only the loaded one")
     rounds: bool = Field(default=True, description="per-round details in each streamed chunk")
 

@@ -54,7 +54,9 @@ def test_web_view_marks_every_round_like_the_api(url):
             count = {kind: page.locator(f"#output .tok.{kind}").count()
                      for kind in ("accepted", "rejected", "recovered", "bonus")}
             shown = {k: page.inner_text(f"#{k}") for k in ("stat-acceptance", "stat-tpr", "stat-rounds",
-                                                              "stat-tokens")}
+                                                              "stat-tokens", "stat-prophets")}
+            titles = set(page.locator("#output .tok.accepted, #output .tok.rejected").evaluate_all(
+                "spans => spans.map((s) => s.title)"))
             shown_text = page.text_content("#text")
             # again, with plain decoding side by side, for the picture
             page.check("#side-by-side")
@@ -79,5 +81,8 @@ def test_web_view_marks_every_round_like_the_api(url):
     assert shown["stat-tokens"] == str(sum(m["committed"] for m in marks))
     assert shown["stat-acceptance"] == f"{100 * accepted / drafted:.1f}%"
     assert shown["stat-tpr"] == f"{sum(m['committed'] for m in marks) / len(marks):.2f}"
+    drafting = [m for m in marks if m["drafted"]]
+    assert titles == {f"drafted by {m['prophet']}" for m in drafting}  # every draft says whose it was
+    assert shown["stat-prophets"] == f"drafter: {len(drafting)} rounds, {100 * accepted / drafted:.0f}% accepted"
     assert plain_tokens > 0
     assert SCREENSHOT.stat().st_size > 10_000

@@ -79,7 +79,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec",
                 "specdec": {"target": decoder.target.name, "draft": prophet, "policy": policy,
-                            "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
+                            "prophets": [d.name for d in decoder.drafters], "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
                             "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
                             "batching": scheduler.mode, "max_batch": config.max_batch,
                             "chat": bool(getattr(decoder.tokenizer, "chat_template", None))}}

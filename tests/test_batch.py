@@ -396,3 +396,17 @@ def test_a_row_may_keep_to_some_of_the_prophets(tiny_pair, plain_tiny, tiny_eagl
     assert "tiny-eagle" in seen[id(reqs[2])]
     want = plain_tiny.generate(prompt, max_new_tokens=16, temperature=0).token_ids
     assert all(r.generated == want for r in reqs)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "confidence", "optimal", "auto"])
+def test_every_policy_per_row_is_greedy_equal(tiny_pair, plain_tiny, policy):
+    """Each row owns a policy of this kind (as the server gives them); mixed prompts and K."""
+    from specdec.policy import make_policy
+
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    requests = [Request(r.prompt, r.max_new_tokens, r.params, r.k, policy=make_policy(policy, r.k) if r.k else None)
+                for r in mixed_requests(engine.target.vocab_size)]
+    engine.generate(requests)
+    for r in requests:
+        want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+        assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)

@@ -83,3 +83,20 @@ def test_a_request_may_keep_to_some_of_the_loaded_prophets(tiny_pair, tiny_eagle
     assert all(e.drafter is None for e in dec.generate(prompt, max_new_tokens=8, prophets=[]).events)
     with pytest.raises(ValueError, match="not loaded.*'ngram', 'tiny-eagle'"):
         dec.generate(prompt, max_new_tokens=4, prophets=["medusa"])
+
+
+def test_a_request_may_use_another_policy_without_touching_the_decoders(tiny_pair):
+    from specdec import load
+    from specdec.policy import AutoPolicy
+
+    dec = load(tiny_pair["target"], draft=tiny_pair["far"], policy="auto", draft_tokens=3)
+    want = dec.plain().generate("def ", max_new_tokens=24, temperature=0).token_ids
+    fixed = dec.generate("def ", max_new_tokens=24, temperature=0, policy="fixed")
+    assert fixed.token_ids == want and all(e.k == 3 for e in fixed.events[:-3])
+    assert isinstance(dec.policy, AutoPolicy) and dec.policy.costs is None  # fixed K needs no costs
+    again = dec.generate("def ", max_new_tokens=24, temperature=0)  # the decoder's own auto policy
+    assert again.token_ids == want and dec.policy.costs is not None
+    other = dec.generate("def ", max_new_tokens=24, temperature=0, policy="optimal")
+    assert other.token_ids == want and isinstance(dec.policy, AutoPolicy)
+    with pytest.raises(ValueError, match="unknown policy"):
+        dec.generate("def ", max_new_tokens=4, policy="greedy-ish")

@@ -113,7 +113,7 @@ BAD = [  # (raw JSON body, status, words in the message, param)
     ('{"prompt": [1, 99999]}', 400, ["token ids"], "prompt"),
     ('{"prompt": "x", "specdec": {"draft_tokens": 9}}', 400, ["at most 8"], "specdec.draft_tokens"),
     ('{"prompt": "x", "specdec": {"draft": "ngram"}}', 400, ["'none'"], "specdec.draft"),
-    ('{"prompt": "x", "specdec": {"policy": "no-such"}}', 400, ["runs policy"], "specdec.policy"),
+    ('{"prompt": "x", "specdec": {"policy": "no-such"}}', 400, ["choose one of auto, fixed"], "specdec.policy"),
     ('{"prompt": "x", "specdec": {"K": 3}}', 400, ["specdec.K"], "specdec.K"),
     ('{"prompt": "x", "stop": [""]}', 400, ["non-empty"], "stop"),
     ('{"prompt": "x", ', 400, ["JSON"], None),
@@ -393,3 +393,22 @@ def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eag
             assert bad.status_code == 400 and "ngram, tiny-eagle joined by '+'" in bad.json()["error"]["message"]
     assert got == want
     assert {"ngram", "tiny-eagle", None} <= prophets
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "round-robin"])
+def test_a_request_may_ask_for_another_policy(tiny_pair, batched):
+    """specdec.policy per request, on both paths: greedy answers stay plain decoding's, and
+    the policy really differs (fixed K=3 drafts 3 every round; the decoder's auto may not)."""
+    dec = load(tiny_pair["target"], draft=tiny_pair["far"], policy="auto", draft_tokens=3)
+    want = plain_text(dec, "def ", 24)
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=2, batched=batched))) as url, \
+            httpx.Client(base_url=url, timeout=30) as c:
+        for pol in ("fixed", "adaptive", "confidence", "optimal", "auto"):
+            body = {"prompt": "def ", "max_tokens": 24, "temperature": 0, "stream": True,
+                    "specdec": {"policy": pol, "draft_tokens": 3}}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                chunks = sse_chunks(r.iter_lines())[:-1]
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == want, pol
+            if pol == "fixed":
+                ks = [len(ch["specdec"]["drafted_ids"]) for ch in chunks if ch.get("specdec")]
+                assert len(ks) > 4 and set(ks[1:-3]) == {3}, ks  # every round but the last few drafts K

@@ -24,7 +24,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
 from specdec.lm import CausalLM, sync
-from specdec.policy import Policy, RoundOutcome
+from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stats import Stats, summarize
 from specdec.text import IncrementalText
@@ -63,6 +63,7 @@ class _Request:
     recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
     text: IncrementalText | None = None  # the answer's text, decoded incrementally (None: no tokenizer)
     prophets: frozenset[str] | None = None  # the loaded prophets that may draft for it (None: all)
+    policy: Policy = field(default_factory=Policy)  # its K policy: the decoder's (reset for it), or its own
     decoded: int = 0  # characters of its text after the previous round (where the stop search resumes)
 
     @property
@@ -141,6 +142,7 @@ class SpeculativeDecoder:
         self.drafters = list(drafters)
         self.tokenizer = tokenizer
         self.policy = policy or Policy(5)
+        self._costs: Costs | None = None  # measured once (calibrate) for whichever policy needs costs
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
         self._feature_readers = [d for d in self.drafters if d.reads_features]
@@ -161,11 +163,11 @@ class SpeculativeDecoder:
                  top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                  draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                  messages: Sequence[dict[str, str]] | None = None,
-                 prophets: Sequence[str] | None = None) -> Generation:
+                 prophets: Sequence[str] | None = None, policy: str | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         prompt = self._chat_or_prompt(prompt, messages)
         req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
-                          prophets)
+                          prophets, policy)
         events = list(self._rounds(req, release_text=False))
         return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
                           req.finish_reason or "length", events, summarize(events))
@@ -199,14 +201,15 @@ class SpeculativeDecoder:
                top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
                draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                messages: Sequence[dict[str, str]] | None = None,
-               prophets: Sequence[str] | None = None) -> Iterator[RoundEvent]:
+               prophets: Sequence[str] | None = None, policy: str | None = None) -> Iterator[RoundEvent]:
         """Yield one event per round; each carries the text it releases (`event.text`).
         `messages` ([{"role": ..., "content": ...}], instead of a prompt) is formatted with the
         tokenizer's chat template; the template's end token ends the answer. `prophets`: only
-        these of the loaded prophets draft for this request (by name; None: all)."""
+        these of the loaded prophets draft for this request (by name; None: all). `policy`: a
+        K policy of another kind for this request ("auto", "fixed", ...; None: the decoder's)."""
         prompt = self._chat_or_prompt(prompt, messages)
         req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
-                          prophets)
+                          prophets, policy)
         yield from self._rounds(req, release_text=True)
 
     def _rounds(self, req: _Request, release_text: bool) -> Iterator[RoundEvent]:
@@ -222,7 +225,7 @@ class SpeculativeDecoder:
     # ----------------------------------------------------------------- a request
     def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
                draft_tokens: int | None, stop: str | Sequence[str] | None,
-               prophets: Sequence[str] | None = None) -> _Request:
+               prophets: Sequence[str] | None = None, policy_name: str | None = None) -> _Request:
         allowed = check_prophets(prophets, [d.name for d in self.drafters])
         ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -230,9 +233,13 @@ class SpeculativeDecoder:
         if len(ids) >= self.target.max_length:
             raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
                                      f"{self.target.max_length} tokens: shorten the prompt")
-        if self.policy.needs_costs and self.policy.costs is None and self.drafters:
-            self.policy.costs = self.calibrate()
-        self.policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
+        policy = self.policy if policy_name in (None, self.policy.name) else \
+            make_policy(policy_name, draft_tokens or self.policy.k0)
+        if policy.needs_costs and policy.costs is None and self.drafters:
+            if self._costs is None:  # measured once per decoder, whichever policy asks first
+                self._costs = self.policy.costs or self.calibrate()
+            policy.costs = self._costs
+        policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -244,7 +251,7 @@ class SpeculativeDecoder:
             d.reset()
         self.target.truncate(0)
         return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter(),
-                        recent={d.name: 1.0 for d in self.drafters}, prophets=allowed,
+                        recent={d.name: 1.0 for d in self.drafters}, prophets=allowed, policy=policy,
                         text=IncrementalText(self.tokenizer) if self.tokenizer is not None else None)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -336,7 +343,7 @@ class SpeculativeDecoder:
         max_new_tokens (a round yields up to K+1 tokens) or the target's context."""
         remaining = req.max_new_tokens - len(req.generated)
         room = self.target.max_length - len(req.context)
-        return max(0, min(self.policy.next_k(prophet), remaining - 1, room))
+        return max(0, min(req.policy.next_k(prophet), remaining - 1, room))
 
     def _round(self, req: _Request, index: int) -> RoundEvent:
         """draft -> score and verify -> commit -> record."""
@@ -348,7 +355,7 @@ class SpeculativeDecoder:
             event = self._verify_tree(req, drafts, k, start, index)
         self._commit(req, event)
         event.end = time.perf_counter() - req.t0
-        self.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
+        req.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
                                          event.draft_calls, prophet))
         if event.drafter in req.recent:
             req.recent[event.drafter] = 0.8 * req.recent[event.drafter] + 0.2 * (event.accepted + 1)
@@ -366,7 +373,7 @@ class SpeculativeDecoder:
             k = self._draft_budget(req, prophet)
             if k == 0:
                 return 0, [], None
-            drafts = [d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting())
+            drafts = [d.propose(req.context, k, req.params, req.generator, req.policy.keep_drafting())
                       for d in drafters]
             return k, [d for d in drafts if len(d)], prophet
         order = drafters
@@ -376,7 +383,7 @@ class SpeculativeDecoder:
             k = self._draft_budget(req, d.name)
             if k == 0:
                 continue
-            draft = d.propose(req.context, k, req.params, req.generator, self.policy.keep_drafting())
+            draft = d.propose(req.context, k, req.params, req.generator, req.policy.keep_drafting())
             if len(draft):
                 return k, [draft], d.name
         return 0, [], None

@@ -230,6 +230,9 @@ class AutoPolicy(Policy):
             ev.backoff = 4
 
 
+POLICIES = ("auto", "fixed", "adaptive", "confidence", "optimal")
+
+
 def make_policy(name: str, k: int) -> Policy:
     if name == "auto":
         return AutoPolicy(k)
@@ -244,5 +247,5 @@ def make_policy(name: str, k: int) -> Policy:
     raise ValueError(f"unknown policy '{name}': choose auto, fixed, adaptive, confidence or optimal")
 
 
-__all__ = ["Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy", "RoundOutcome",
-           "make_policy", "expected_gain"]
+__all__ = ["POLICIES", "Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy",
+           "RoundOutcome", "make_policy", "expected_gain"]

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from specdec.engine import SpeculativeDecoder
+from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, BodyLimit
@@ -74,12 +75,13 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         app.add_middleware(ApiKeyAuth, key=config.api_key, open_paths={"/health"})
 
     prophet = "+".join(d.name for d in decoder.drafters) or "none"
-    policy = getattr(decoder.policy, "name", "fixed")
+    policy = getattr(decoder.policy, "name", "fixed")  # the default; a request may ask for another
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec",
                 "specdec": {"target": decoder.target.name, "draft": prophet, "policy": policy,
-                            "prophets": [d.name for d in decoder.drafters], "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
+                            "prophets": [d.name for d in decoder.drafters],
+                            "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
                             "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
                             "batching": scheduler.mode, "max_batch": config.max_batch,
                             "chat": bool(getattr(decoder.tokenizer, "chat_template", None))}}
@@ -98,8 +100,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                 raise ApiError(400, f"specdec.draft: this server has prophet '{prophet}' loaded; choose 'default', "
                                     "'none' (plain decoding)" + (f" or some of {', '.join(names)} joined by '+'"
                                                                    if len(names) > 1 else ""), "specdec.draft")
-        if opts.policy not in (None, policy):
-            raise ApiError(400, f"specdec.policy: this server runs policy '{policy}' only", "specdec.policy")
+        if opts.policy not in (None, *POLICIES):
+            raise ApiError(400, f"specdec.policy: choose one of {', '.join(POLICIES)} (this server's default: "
+                                f"{policy})", "specdec.policy")
         room = decoder.target.max_length - prompt_len
         if max_tokens is None:
             max_tokens = min(config.max_tokens, room)
@@ -110,7 +113,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             raise ApiError(400, "stop strings must be non-empty", "stop")
         return Job(ids=[], max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k or None,
                    top_p=body.top_p, seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
-                   plain=opts.draft == "none" and prophet != "none", prophets=chosen, details=opts.rounds,
+                   plain=opts.draft == "none" and prophet != "none", prophets=chosen, policy=opts.policy,
+                   details=opts.rounds,
                    timeout_s=config.timeout_s,
                    endpoint=endpoint)
 

@@ -72,6 +72,7 @@ class Job:
     draft_tokens: int | None = None
     plain: bool = False  # plain decoding (no prophet), e.g. the web view's side-by-side run
     prophets: list[str] | None = None  # which of the loaded prophets may draft (None: all)
+    policy: str | None = None  # its K policy's kind (None: the decoder's)
     details: bool = True  # token texts of each round, for the web view
     timeout_s: float | None = None
     endpoint: str = "completions"
@@ -340,7 +341,8 @@ class Scheduler:
         k = None if job.plain else (job.draft_tokens or self.default_k)
         run.rounds = decoder.stream(job.ids, max_new_tokens=job.max_tokens, temperature=job.temperature,
                                     top_k=job.top_k, top_p=job.top_p, seed=job.seed, draft_tokens=k,
-                                    stop=job.stop or None, prophets=None if job.plain else job.prophets)
+                                    stop=job.stop or None, prophets=None if job.plain else job.prophets,
+                                    policy=None if job.plain else job.policy)
 
     def _run_round(self, run: _Running) -> None:
         stream, now = run.stream, time.monotonic()
@@ -379,7 +381,7 @@ class Scheduler:
                 (job.draft_tokens or self.decoder.policy.k0)
             try:
                 req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
-                              job.seed, make_policy(self.decoder.policy.name, k) if k else None,
+                              job.seed, make_policy(job.policy or self.decoder.policy.name, k) if k else None,
                               frozenset(job.prophets) if job.prophets is not None else None)
             except (SpecdecError, ValueError) as e:
                 self._end(stream, End("error", str(e), 400))

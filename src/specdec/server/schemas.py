@@ -43,7 +43,8 @@ class SpecdecOptions(BaseModel):
     draft_tokens: int | None = Field(default=None, ge=1, description="K, tokens drafted per round")
     draft: str | None = Field(default=None, description="'default' (the loaded prophets), 'none' (plain decoding), "
                                                         "or some of the loaded prophets joined by '+'")
-    policy: str | None = Field(default=None, description="draft-length policy; only the loaded one")
+    policy: str | None = Field(default=None, description="draft-length policy: auto, fixed, adaptive, confidence "
+                                                         "or optimal (default: the server's)")
     rounds: bool = Field(default=True, description="per-round details in each streamed chunk")
 
     @field_validator("draft", "policy")

@@ -410,3 +410,20 @@ def test_every_policy_per_row_is_greedy_equal(tiny_pair, plain_tiny, policy):
     for r in requests:
         want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
         assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "ngram+eagle"])
+def test_greedy_and_sampled_rows_side_by_side_are_each_exact(drafter):
+    """Greedy rows draft argmax tokens whose q is one-hot (no full distribution is built for
+    them); sampled rows in the same steps keep their q. Each kind stays exact."""
+    engine, target = toy_engine(drafter)
+    hot = SamplingParams(1.0)
+    requests = [Request(PROMPT, LENGTH, SamplingParams(0.0) if i % 2 else hot, 3, seed=i) for i in range(2 * N)]
+    engine.generate(requests)
+    ctx = list(PROMPT)
+    for _ in range(LENGTH):
+        ctx.append(int(target.logits_after(ctx).argmax()))
+    assert all(r.generated == ctx[len(PROMPT):] for r in requests[1::2])
+    counts = Counter(tuple(r.generated) for r in requests[::2])
+    result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, hot), ALPHA)
+    assert result.passed, result

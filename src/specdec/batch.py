@@ -32,7 +32,7 @@ from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import InvalidLogitsError, SamplingParams, logits_to_probs, sample
 
 
 class BatchLM(Protocol):
@@ -211,9 +211,10 @@ class BatchDraft:
     tokens: list[list[int]]  # (B, k_b) drafted tokens per row
     probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
     names: list[str | None] | None = None  # the prophet of each row's draft (None: the drafter's name)
+    one_hot: list[bool] | None = None  # rows whose q is one-hot (probs ignored there): greedy or lookup
 
     def cut(self, ks: Sequence[int]) -> BatchDraft:
-        return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names)
+        return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)
 
 
 class ModelBatchDrafter:
@@ -317,30 +318,37 @@ class FeatureBatchDrafter:
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """Greedy rows take the argmax over the draft vocabulary (q one-hot: nothing over the
+        full vocabulary is built for them); sampled rows sample from q, kept for the verifier."""
+        p = self.prophet
         limit = self.head.n_heads if self.head.kind == "medusa" else 1 << 30
         rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
         tokens: list[list[int]] = [[] for _ in reqs]
         if not rows:
             return BatchDraft(tokens, None)
         k_rows = [min(ks[b], limit) for b in rows]
-        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=self.prophet.sub_head.device)
-        h0 = torch.stack([reqs[b].feature for b in rows]).to(self.prophet.dtype)  # type: ignore[misc]
+        sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
+        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
+        h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
         for j in range(1, max(k_rows) + 1):
             h = self._guess(h, h0, last, j)
-            q = _probs_by_params(self._q_logits(h)[:, None], [reqs[b] for b in rows],
-                                 f"drafter '{self.name}'")[:, 0]  # (B', V)
-            greedy = q.argmax(-1).tolist()
-            picked = []
+            sub = (h @ p.sub_head.T).float()  # (B', N) logits over the draft vocabulary
+            if bool(torch.isnan(sub).any()):
+                raise InvalidLogitsError(f"drafter '{self.name}' produced NaN logits")
+            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # the lowest id among ties, as a full argmax
+            if sampled:
+                q = _probs_by_params(self._q_logits(h[sampled])[:, None], [reqs[rows[i]] for i in sampled],
+                                     f"drafter '{self.name}'")[:, 0]  # (B_sampled, V)
+                for n, i in enumerate(sampled):
+                    picked[i] = int(sample(q[n], reqs[rows[i]].generator))
+                    if k_rows[i] >= j:
+                        probs[rows[i], j - 1] = q[n]  # type: ignore[index]
             for i, b in enumerate(rows):
-                req = reqs[b]
-                token = greedy[i] if req.params.greedy else int(sample(q[i], req.generator))
-                picked.append(token)
                 if k_rows[i] >= j:
-                    tokens[b].append(token)
-                    probs[b, j - 1] = q[i]
+                    tokens[b].append(picked[i])
             last = torch.tensor(picked, device=h0.device)
-        return BatchDraft(tokens, probs)
+        return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
     def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
         """Seconds of one drafting step for these rows, per row."""
@@ -378,8 +386,8 @@ class FirstBatchDrafter:
         """budget(req, prophet name) -> K for that prophet (the policy's per-prophet K), or ks."""
         tokens: list[list[int]] = [[] for _ in reqs]
         names: list[str | None] = [None] * len(reqs)
-        vocab = next((p.vocab_size for p in self.parts if isinstance(p, FeatureBatchDrafter)), None)
-        q_rows: dict[int, torch.Tensor | None] = {}
+        one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
+        q_rows: dict[int, torch.Tensor] = {}
         for part in self.parts:
             part_ks = [0 if tokens[b] or not k or not _allowed(r, part.name) else
                        (min(k, budget(r, part.name)) if budget else k)
@@ -390,18 +398,17 @@ class FirstBatchDrafter:
             for b, t in enumerate(got.tokens):
                 if t and not tokens[b]:
                     tokens[b], names[b] = t, part.name
-                    q_rows[b] = None if got.probs is None else got.probs[b, : len(t)]
-        k_max = max((len(t) for t in tokens), default=0)
-        device = next((q.device for q in q_rows.values() if q is not None), None)
-        if vocab is None or device is None:
+                    if got.probs is not None and not (got.one_hot and got.one_hot[b]):
+                        one_hot[b] = False
+                        q_rows[b] = got.probs[b, : len(t)]
+        if not q_rows:
             return BatchDraft(tokens, None, names)
-        probs = torch.zeros(len(reqs), k_max, vocab, device=device)
+        k_max = max(len(t) for t in tokens)
+        first = next(iter(q_rows.values()))
+        probs = torch.zeros(len(reqs), k_max, first.shape[-1], device=first.device)
         for b, q in q_rows.items():
-            if q is None:  # a deterministic prophet's draft: one-hot q
-                probs[b, torch.arange(len(tokens[b])), torch.tensor(tokens[b], device=device)] = 1.0
-            else:
-                probs[b, : len(q)] = q
-        return BatchDraft(tokens, probs, names)
+            probs[b, : len(q)] = q
+        return BatchDraft(tokens, probs, names, one_hot)
 
     def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
         return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
@@ -487,7 +494,9 @@ class BatchEngine:
         draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens], dtype=torch.long,
                                     device=target_probs.device).reshape(len(active), k_max)  # (B, K)
         probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
-        verdict = verify_rows(draft_tokens, lens, probs, None, target_probs, [r.generator for r in active])
+        one_hot = None if draft.one_hot is None or probs is None else \
+            torch.tensor(draft.one_hot, dtype=torch.bool, device=target_probs.device)
+        verdict = verify_rows(draft_tokens, lens, probs, one_hot, target_probs, [r.generator for r in active])
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.drafter.name if self.drafter else None] * len(active)
         events = []

@@ -46,6 +46,8 @@ class SamplingParams:
 
 def check_logits(logits: torch.Tensor, who: str = "model") -> None:
     """Raise a clear error for logits that cannot define a distribution. logits (..., V)."""
+    if bool(torch.isfinite(logits).all()):  # the usual case, in one pass
+        return
     if torch.isnan(logits).any():
         raise InvalidLogitsError(f"{who} produced NaN logits")
     if torch.isposinf(logits).any():

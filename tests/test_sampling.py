@@ -50,3 +50,15 @@ def test_nan_logits_are_a_clear_error():
         logits_to_probs(torch.tensor([0.0, float("nan")]), SamplingParams(), who="target 'x'")
     with pytest.raises(InvalidLogitsError, match="-inf for every token"):
         logits_to_probs(torch.full((3,), -math.inf), SamplingParams())
+
+
+def test_a_row_with_one_possible_token_needs_no_draw():
+    from specdec.sampling import sample
+
+    g = torch.Generator().manual_seed(1)
+    before = g.get_state()
+    assert int(sample(torch.tensor([0.0, 0.0, 1.0, 0.0]), g)) == 2
+    assert torch.equal(g.get_state(), before)  # nothing drawn: greedy rows leave the generator alone
+    almost = torch.tensor([1.0, 1e-30, 0.0])  # two possible tokens, however unlikely the second
+    sample(almost, g)
+    assert not torch.equal(g.get_state(), before)

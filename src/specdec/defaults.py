@@ -26,7 +26,7 @@ def default_drafter_for(target: str) -> str:
     """The measured best prophet for a target: the bundled drafter for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
-    benchmark against 1.59x for prompt lookup alone, and batched 1.25x at 8 rows against
+    benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
     1.11x, see the README); none (plain decoding) for anything else."""
     from specdec.gguf import is_alias
 

@@ -46,7 +46,7 @@ class SamplingParams:
 
 def check_logits(logits: torch.Tensor, who: str = "model") -> None:
     """Raise a clear error for logits that cannot define a distribution. logits (..., V)."""
-    if math.isfinite(float(logits.float().sum())):  # the usual case, in one cheap pass: no NaN or inf anywhere
+    if math.isfinite(float(logits.detach().float().sum())):  # the usual case, in one cheap pass: no NaN or inf anywhere
         return
     if torch.isnan(logits).any():
         raise InvalidLogitsError(f"{who} produced NaN logits")

@@ -69,7 +69,7 @@ class AdaptedExitDrafter(LayerSkipDrafter):
         self.name = name
         self.adapter = adapter.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
         self.vocab_ids = vocab_ids.to(target.device)
-        self.sub_head = target.head()[vocab_ids].to(dtype).contiguous()  # (N, D)
+        self.sub_head = target.head()[vocab_ids].detach().to(dtype).contiguous()  # (N, D)
         self.dtype = dtype
 
     def _step(self, ids: list[int]) -> torch.Tensor:

@@ -44,8 +44,10 @@ def test_greedy_equals_plain_decoding_on_the_device(tiny_pair):
         assert out.stats.drafted > 0
 
 
-def test_batched_rows_on_the_device(tiny_pair):
-    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], device=DEVICE)
+@pytest.mark.parametrize("which", ["model", "lookup then feature prophet"])
+def test_batched_rows_on_the_device(tiny_pair, tiny_eagle, which):
+    draft = tiny_pair["close"] if which == "model" else f"ngram+{tiny_eagle}"
+    decoder = load(tiny_pair["target"], draft=draft, device=DEVICE)
     prompts = ["def f(", "import os\n", "x = [1, 2, 3]\nfor i in x:\n    "]
     many = decoder.generate_many(prompts, temperature=0.0, max_new_tokens=12)
     assert [g.token_ids for g in many] == [decoder.generate(p, temperature=0.0, max_new_tokens=12).token_ids

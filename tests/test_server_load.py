@@ -179,7 +179,8 @@ def test_memory_is_flat_over_1000_requests(proc):
     # Warm up: every slot's caches, and the allocator with the batch shapes (rows x new tokens
     # x context) that mixed traffic makes. After that RSS moves in steps, not steadily, and
     # the steps thin out: measured here over 15 rounds of 1,000 requests, 508 -> 562 MiB, flat
-    # over rounds 8-12; the same with MALLOC_ARENA_MAX=2. It is native memory (torch's
+    # over rounds 8-12; much the same with MALLOC_ARENA_MAX=2, MALLOC_MMAP_THRESHOLD_=131072
+    # or a oneDNN primitive cache of 8 entries. It is native memory (torch's
     # tensors of new shapes, glibc's heap), not Python objects: tracemalloc saw 0.17 MiB of
     # Python allocations grow over 6,000 requests while RSS grew 20 MiB. The bound catches a
     # leak of the size of a request's state per request (tokens, events).

@@ -127,6 +127,14 @@ def load_head(path: Path) -> tuple[FeatureHead, torch.Tensor, dict[str, Any]]:
     return head.eval(), tensors["vocab_ids"].long(), cfg
 
 
+def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary (..., N) placed in the full vocabulary (..., V), -inf
+    (q = 0) at every other id."""
+    logits = torch.full((*sub.shape[:-1], vocab_size), float("-inf"), device=sub.device)
+    logits[..., vocab_ids] = sub
+    return logits
+
+
 def is_feature_prophet(path: str) -> bool:
     return (Path(path) / "prophet.json").is_file()
 
@@ -162,12 +170,25 @@ class FeatureDrafter:
         the distribution of context[position + 1])."""
         self._position, self._feature = position, feature
 
-    def _q(self, h: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits over the full vocabulary, -inf outside the draft vocabulary; q)."""
-        sub = (h.to(self.dtype) @ self.sub_head.T).float()
-        logits = torch.full((self.vocab_size or 0,), float("-inf"), device=sub.device)
-        logits[self.vocab_ids] = sub
-        return logits, logits_to_probs(logits, params, who=f"drafter '{self.name}'")
+    def max_k(self, k: int) -> int:
+        """Medusa drafts at most one token per head."""
+        return min(k, self.head.n_heads) if self.head.kind == "medusa" else k
+
+    def guess(self, h: torch.Tensor, h0: torch.Tensor, tokens: torch.Tensor | int, step: int) -> torch.Tensor:
+        """The feature whose head gives q at draft step `step` (1-based), for features (..., D):
+        eagle from the previous guess h and the embedding of the token drafted before it,
+        medusa from the starting feature h0 alone."""
+        if self.head.kind == "eagle":
+            return self.head.step(h, self.embed[tokens].to(self.dtype))
+        return self.head.ahead(h0, step)
+
+    def draft_logits(self, guess: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (..., N) from guessed features (..., D)."""
+        return (guess.to(self.dtype) @ self.sub_head.T).float()
+
+    def logits(self, guess: torch.Tensor) -> torch.Tensor:
+        """Logits over the full vocabulary (..., V), -inf outside the draft vocabulary."""
+        return full_vocab_logits(self.draft_logits(guess), self.vocab_ids, self.vocab_size or 0)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
@@ -175,18 +196,14 @@ class FeatureDrafter:
         draft = Draft([], None, self.name)
         if self._feature is None or self._position != len(context) - 2 or k < 1:
             return draft
-        h = self._feature.to(self.dtype)
+        h0 = h = self._feature.to(self.dtype)
         token = context[-1]
         rows = []
-        k = min(k, self.head.n_heads) if self.head.kind == "medusa" else k
-        for step in range(1, k + 1):
+        for step in range(1, self.max_k(k) + 1):
             t0 = span()
-            if self.head.kind == "eagle":
-                h = self.head.step(h, self.embed[token].to(self.dtype))
-                guess = h
-            else:
-                guess = self.head.ahead(self._feature.to(self.dtype), step)
-            logits, q = self._q(guess, params)
+            h = self.guess(h, h0, token, step)
+            logits = self.logits(h)
+            q = logits_to_probs(logits, params, who=f"drafter '{self.name}'")
             token = int(q.argmax()) if params.greedy else int(sample(q, generator))
             draft.step_spans.append((t0, span()))
             draft.tokens.append(token)

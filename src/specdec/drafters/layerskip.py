@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
-from specdec.drafters.feature import FeatureHead
+from specdec.drafters.feature import FeatureHead, full_vocab_logits
 from specdec.lm import sync
 from specdec.sampling import SamplingParams
 
@@ -75,9 +75,7 @@ class AdaptedExitDrafter(LayerSkipDrafter):
     def _step(self, ids: list[int]) -> torch.Tensor:
         feature = self.target.early_exit_features(ids, self.layers)[0]
         sub = (self.adapter.adapt(feature.to(self.dtype)) @ self.sub_head.T).float()
-        logits = torch.full((self.vocab_size or 0,), float("-inf"), device=sub.device)
-        logits[self.vocab_ids] = sub
-        return logits
+        return full_vocab_logits(sub, self.vocab_ids, self.vocab_size or 0)
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round, median_seconds
+from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import finish_reason
@@ -291,10 +292,9 @@ class FeatureBatchDrafter:
 
     reads_features = True
 
-    def __init__(self, prophet: Any) -> None:
+    def __init__(self, prophet: FeatureDrafter) -> None:
         self.prophet, self.name = prophet, prophet.name
-        self.head = prophet.head
-        self.vocab_size = int(prophet.vocab_size)
+        self.vocab_size = int(prophet.vocab_size or 0)
 
     def room(self, req: Request) -> int:
         return 1 << 30
@@ -302,43 +302,28 @@ class FeatureBatchDrafter:
     def prefill(self, reqs: Sequence[Request]) -> None:
         pass
 
-    def _guess(self, h: torch.Tensor, h0: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        """The feature whose head gives q at draft step `step` (1-based), for rows (B', D)."""
-        p = self.prophet
-        if self.head.kind == "eagle":
-            return self.head.step(h, p.embed[tokens].to(p.dtype))
-        return self.head.ahead(h0, step)
-
-    def _q_logits(self, guess: torch.Tensor) -> torch.Tensor:
-        p = self.prophet
-        sub = (guess @ p.sub_head.T).float()  # (B', N)
-        logits = torch.full((guess.shape[0], self.vocab_size), float("-inf"), device=sub.device)
-        logits[:, p.vocab_ids] = sub
-        return logits
-
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         """Greedy rows take the argmax over the draft vocabulary (q one-hot: nothing over the
         full vocabulary is built for them); sampled rows sample from q, kept for the verifier."""
         p = self.prophet
-        limit = self.head.n_heads if self.head.kind == "medusa" else 1 << 30
         rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
         tokens: list[list[int]] = [[] for _ in reqs]
         if not rows:
             return BatchDraft(tokens, None)
-        k_rows = [min(ks[b], limit) for b in rows]
+        k_rows = [p.max_k(ks[b]) for b in rows]
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
         for j in range(1, max(k_rows) + 1):
-            h = self._guess(h, h0, last, j)
-            sub = (h @ p.sub_head.T).float()  # (B', N) logits over the draft vocabulary
+            h = p.guess(h, h0, last, j)
+            sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary
             if bool(torch.isnan(sub).any()):
                 raise InvalidLogitsError(f"drafter '{self.name}' produced NaN logits")
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # the lowest id among ties, as a full argmax
             if sampled:
-                q = _probs_by_params(self._q_logits(h[sampled])[:, None], [reqs[rows[i]] for i in sampled],
+                q = _probs_by_params(p.logits(h[sampled])[:, None], [reqs[rows[i]] for i in sampled],
                                      f"drafter '{self.name}'")[:, 0]  # (B_sampled, V)
                 for n, i in enumerate(sampled):
                     picked[i] = int(sample(q[n], reqs[rows[i]].generator))
@@ -358,7 +343,7 @@ class FeatureBatchDrafter:
 
         @torch.inference_mode()
         def step() -> None:
-            torch.softmax(self._q_logits(self._guess(h, h, ids, 1)), -1)
+            torch.softmax(p.logits(p.guess(h, h, ids, 1)), -1)
 
         return {self.name: median_seconds(step, repeats) / len(reqs)}
 
@@ -382,15 +367,15 @@ class FirstBatchDrafter:
             p.prefill(reqs)
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                budget: Any = None) -> BatchDraft:
-        """budget(req, prophet name) -> K for that prophet (the policy's per-prophet K), or ks."""
+                budget: Callable[[Request, str], int]) -> BatchDraft:
+        """ks: each row's largest K; budget(req, prophet name): that prophet's K for the row
+        (its policy's K, 0 where the row may not use that prophet)."""
         tokens: list[list[int]] = [[] for _ in reqs]
         names: list[str | None] = [None] * len(reqs)
         one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
         q_rows: dict[int, torch.Tensor] = {}
         for part in self.parts:
-            part_ks = [0 if tokens[b] or not k or not _allowed(r, part.name) else
-                       (min(k, budget(r, part.name)) if budget else k)
+            part_ks = [0 if tokens[b] or not k else min(k, budget(r, part.name))
                        for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
             if not any(part_ks):
                 continue
@@ -415,10 +400,6 @@ class FirstBatchDrafter:
 
 
 BatchDrafter = ModelBatchDrafter | NgramBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
-
-
-def _allowed(req: Request, prophet: str) -> bool:
-    return req.prophets is None or prophet in req.prophets
 
 
 def _slot(req: Request) -> int:
@@ -569,7 +550,8 @@ class BatchEngine:
         """K for this step: of `prophet` as the request's policy chooses it (None: the largest
         the request allows), cut so a step never overshoots max_new_tokens (a step yields up
         to K+1 tokens) or the target's or drafter's context."""
-        if self.drafter is None or req.k == 0 or (prophet is not None and not _allowed(req, prophet)):
+        if self.drafter is None or req.k == 0 or (prophet is not None and req.prophets is not None
+                                                   and prophet not in req.prophets):
             return 0
         k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)
@@ -612,9 +594,7 @@ class BatchEngine:
         it). Buckets already measured are kept. Returns the costs by bucket."""
         if self.drafter is None or k_max < 1:
             return dict(self._costs)
-        bucket = 1
-        while True:
-            size = min(bucket, self.target.slots)
+        for size in sorted({self._bucket(n) for n in range(1, self.target.slots + 1)}):
             if size not in self._costs and len(self._free) >= size:
                 rows = [Request([0] * prompt_len, 1, SamplingParams(0.0), k_max) for _ in range(size)]
                 self._admit(rows)
@@ -623,9 +603,12 @@ class BatchEngine:
                 finally:
                     for r in rows:
                         self.release(r)
-            if size == self.target.slots:
-                return dict(self._costs)
-            bucket *= 2
+        return dict(self._costs)
+
+    def _bucket(self, n_rows: int) -> int:
+        """The batch-size bucket whose measured costs a step of n_rows uses: 1, 2, 4, ... (up
+        to the slots)."""
+        return min(1 << (n_rows - 1).bit_length(), self.target.slots)
 
     def _policy_costs(self, active: Sequence[Request]) -> Costs | None:
         """Hand rows whose policy needs costs the costs of a step at this batch size,
@@ -635,7 +618,7 @@ class BatchEngine:
         rows = [r for r in active if r.policy is not None and r.policy.needs_costs and r.k > 0]
         if not rows or self.drafter is None:
             return None
-        bucket = min(1 << (len(active) - 1).bit_length(), self.target.slots)
+        bucket = self._bucket(len(active))
         if bucket not in self._costs:
             self._costs[bucket] = self._measure(active, max(r.k for r in rows))
         for r in rows:
@@ -755,7 +738,6 @@ def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
     target or prophets have no batched path (layerskip, kangaroo, retrieval, an int8 copy,
     a model among several prophets, several prophets other than multi="first")."""
-    from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.ngram import NgramDrafter
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.api import batch_engine
 from specdec.batch import (
     BatchEngine,
     BatchLlama,
@@ -25,7 +26,6 @@ from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
-from specdec.wiring import batch_engine
 from tests.helpers import ALPHA
 
 # ----------------------------------------------------------------- the ragged verifier

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from specdec.defaults import default_draft_tokens_for, default_drafter_for, default_target
@@ -26,7 +28,7 @@ from specdec.wiring import (
     wrap,
 )
 
-__all__ = ["default_draft_dtype", "load", "resolve_device", "resolve_dtype", "wrap"]
+__all__ = ["batch_engine", "default_draft_dtype", "load", "resolve_device", "resolve_dtype", "wrap"]
 
 
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
@@ -72,3 +74,19 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens),
                               resolve_multi(multi, drafters),
                               eos_ids(model, tokenizer))
+
+
+def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype = torch.float32,
+                 draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
+    """A BatchEngine with `slots` cache slots over what `load` builds. target: a path, hub id
+    or "smollm2"; draft: None (plain) or a `--draft` spec with a batched path: "ngram", a
+    model with the target's tokenizer, a feature prophet, or several of the cheap ones with
+    multi "first"."""
+    from specdec.batch import engine_for
+
+    decoder = load(target, draft=draft or "none", policy="fixed", multi=multi, dtype=dtype, draft_dtype=draft_dtype)
+    engine = engine_for(decoder, slots)
+    if engine is None:
+        raise ValueError(f"'{draft}' has no batched path (layerskip, kangaroo, retrieval, int8 copies and "
+                         "several prophets other than --multi first run one request at a time)")
+    return engine

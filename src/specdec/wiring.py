@@ -292,28 +292,20 @@ def _feature(part: str, w: Wiring) -> Drafter:
     from specdec.drafters.feature import FeatureDrafter, load_head
 
     head, vocab_ids, cfg = load_head(Path(part))
-    if head.kind == "kangaroo":
-        return _kangaroo(part, head, vocab_ids, cfg, w)
-    if not w.target.offers_hidden:
+    if head.kind != "kangaroo" and not w.target.offers_hidden:
         raise ValueError(f"feature prophet '{part}' needs a target that exposes its hidden states")
-    embed, lm_head = w.target.embeddings(), w.target.head()
-    if embed.shape[1] != head.dim or lm_head.shape[0] != cfg.get("vocab_size", lm_head.shape[0]):
-        raise ValueError(f"feature prophet '{part}' was trained for a target with hidden size {head.dim} and "
-                         f"{cfg.get('vocab_size')} ids; '{w.target.name}' has {embed.shape[1]} and {lm_head.shape[0]}")
-    return FeatureDrafter(head, embed, lm_head, vocab_ids, w.target.vocab_size, name=short_name(part), dtype=w.dtype)
+    lm_head = w.target.head()
+    vocab = cfg.get("vocab_size", lm_head.shape[0])
+    if lm_head.shape[1] != head.dim or lm_head.shape[0] != vocab or head.layers >= w.target.n_layers:
+        needs = f" and more than {head.layers} layers" if head.layers else ""
+        raise ValueError(f"prophet '{part}' was trained for a target with hidden size {head.dim}, {vocab} ids{needs}; "
+                         f"'{w.target.name}' has {lm_head.shape[1]}, {lm_head.shape[0]} and {w.target.n_layers} layers")
+    if head.kind == "kangaroo":  # early exit + adapter: the target's first layers draft
+        from specdec.drafters.layerskip import AdaptedExitDrafter
 
-
-def _kangaroo(part: str, adapter: Any, vocab_ids: torch.Tensor, cfg: dict[str, Any], w: Wiring) -> Drafter:
-    """An early-exit adapter (models/smollm2-kangaroo): the target's first layers draft."""
-    from specdec.drafters.layerskip import AdaptedExitDrafter
-
-    head = w.target.head()
-    if head.shape[1] != adapter.dim or head.shape[0] != cfg.get("vocab_size", head.shape[0]) \
-            or adapter.layers >= w.target.n_layers:
-        raise ValueError(f"prophet '{part}' was trained for a target with hidden size {adapter.dim}, "
-                         f"{cfg.get('vocab_size')} ids and more than {adapter.layers} layers; '{w.target.name}' has "
-                         f"{head.shape[1]}, {head.shape[0]} and {w.target.n_layers}")
-    return AdaptedExitDrafter(w.target, adapter, vocab_ids, name=short_name(part), dtype=w.dtype)
+        return AdaptedExitDrafter(w.target, head, vocab_ids, name=short_name(part), dtype=w.dtype)
+    return FeatureDrafter(head, w.target.embeddings(), lm_head, vocab_ids, w.target.vocab_size,
+                          name=short_name(part), dtype=w.dtype)
 
 
 def _model(part: str, w: Wiring) -> Drafter:
@@ -356,28 +348,6 @@ def resolve_multi(multi: str, drafters: list[Drafter]) -> str:
     return multi
 
 
-def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype = torch.float32,
-                 draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
-    """A BatchEngine with `slots` cache slots. target: a path, hub id or "smollm2"; draft:
-    None (plain) or a `--draft` spec with a batched path: "ngram", a model with the target's
-    tokenizer, a feature prophet, or several of the cheap ones with multi "first"."""
-    from specdec.batch import engine_for
-    from specdec.engine import SpeculativeDecoder
-    from specdec.policy import make_policy
-
-    model, tok = load_pretrained(target, dtype, role="target")
-    vocab = shared_vocab_size(model, tok, None, None, target, None)
-    target_lm = wrap(model, target, vocab)
-    drafters = build_drafters(draft or "none", target_lm, tok, dtype=draft_dtype or default_draft_dtype())
-    decoder = SpeculativeDecoder(target_lm, drafters, tok, make_policy("fixed", 4), resolve_multi(multi, drafters),
-                                 eos_ids(model, tok))
-    engine = engine_for(decoder, slots)
-    if engine is None:
-        raise ValueError(f"'{draft}' has no batched path (layerskip, kangaroo, retrieval, int8 copies and "
-                         "several prophets other than --multi first run one request at a time)")
-    return engine
-
-
-__all__ = ["batch_engine", "ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids",
+__all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids",
            "parse_draft", "prophet_kinds", "register", "resolve_device", "resolve_dtype", "resolve_multi",
            "short_name", "wrap"]

@@ -70,3 +70,5 @@ def test_only_a_window_is_decoded(tokenizer):
     for end in range(1, len(ids) + 1):
         assert text(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True)
     assert len(ids) > 400 and sum(decoded) < 12 * len(ids), (sum(decoded), len(ids))
+    calls = len(decoded)
+    assert text(ids) == tokenizer.decode(ids, skip_special_tokens=True) and len(decoded) == calls  # asked again

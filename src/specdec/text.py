@@ -28,6 +28,7 @@ class IncrementalText:
         self._text = ""  # the text of ids[:read]
         self._prefix = 0  # where the decoding window starts (ids before it are settled)
         self._read = 0  # ids whose text is in _text
+        self._last: tuple[list[int], str] = ([], "")  # the last call's ids and answer (asked twice a round)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -37,6 +38,13 @@ class IncrementalText:
         character's bytes are incomplete. ids usually extend the previous call's; anything
         else starts over."""
         ids = list(ids)
+        if ids == self._last[0]:
+            return self._last[1]
+        text = self._text_of(ids)
+        self._last = (ids, text)
+        return text
+
+    def _text_of(self, ids: list[int]) -> str:
         if ids[: self._read] != self._seen:
             self._reset()  # ids were cut or replaced
         before = self.decode(ids[self._prefix : self._read])

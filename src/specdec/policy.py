@@ -244,7 +244,7 @@ def make_policy(name: str, k: int) -> Policy:
         return ConfidencePolicy(max(k, 8))
     if name == "optimal":
         return OptimalPolicy(k)
-    raise ValueError(f"unknown policy '{name}': choose auto, fixed, adaptive, confidence or optimal")
+    raise ValueError(f"unknown policy '{name}': choose one of {', '.join(POLICIES)}")
 
 
 __all__ = ["POLICIES", "Policy", "AutoPolicy", "Costs", "AdaptivePolicy", "ConfidencePolicy", "OptimalPolicy",

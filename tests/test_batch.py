@@ -21,7 +21,7 @@ from specdec.batch import (
 )
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
-from specdec.fastllama import FastLlamaLM
+from specdec.fastllama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.sampling import SamplingParams
@@ -127,6 +127,28 @@ def test_batched_llama_matches_unbatched_on_tiny_llama(tiny_pair):
 
 def test_batched_llama_matches_unbatched_smollm2_shaped():
     check_batched_path(smollm2_shaped(), 97)
+
+
+def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
+    """In bfloat16 on a CPU, oneDNN builds and keeps a kernel per row count it meets (an LRU of
+    1,024): a server meeting every rows x new-tokens count grew for thousands of requests. The
+    lean paths pad the rows of each product to a bucket instead."""
+    assert all(m <= row_bucket(m) <= m + m // 8 for m in range(1, 40_000))
+    # every batch of 1..64 rows x 1..512 new tokens: few enough kernels for the 5 weight shapes
+    assert 5 * len({row_bucket(b * n) for b in range(1, 65) for n in range(1, 513)}) < 1024
+    model = smollm2_shaped().to(torch.bfloat16)
+    batch, fast = BatchLlama(model, "b", slots=2), FastLlamaLM(model, "f")
+    assert batch.bucket_rows and fast.bucket_rows and not BatchLlama(smollm2_shaped(), "f32", 1).bucket_rows
+    w = batch.layers[0]["gate_up"]
+    for shape in [(1, 72), (3, 7, 72), (2, 17, 72)]:  # 21 and 34 rows are padded to 22 and 36
+        x = torch.randn(shape).to(torch.bfloat16)
+        assert torch.equal(batch._mm(x, w), x @ w.T)
+    # and the bfloat16 lean paths still agree with each other row by row
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(97, (n,), generator=g).tolist() for n in (19, 4)]
+    got = batch.forward([0, 1], [0, 0], ids, [2, 2])
+    for b, ctx in enumerate(ids):
+        torch.testing.assert_close(got[b], FastLlamaLM(model, "ref").forward(ctx, 2), atol=0.1, rtol=0.05)
 
 
 # ----------------------------------------------------------------- greedy equality per row

@@ -91,7 +91,7 @@ class BatchLlama(LlamaWeights):
         the real (unpadded) tokens; mask (B, 1, n, T) True where a key is visible."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
-        q, k, v = (h @ w["qkv"].T).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
         q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
         k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
@@ -102,7 +102,7 @@ class BatchLlama(LlamaWeights):
         end = mask.shape[-1]
         keys, values = self.k_cache[i, rows, :, :end], self.v_cache[i, rows, :, :end]  # (B, Hkv, T, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd) @ w["o"].T  # (B, n, D)
+        return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
@@ -135,8 +135,8 @@ class BatchLlama(LlamaWeights):
         x = self.embed[ids]  # (B, n, D)
         for i, w in enumerate(self.layers):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), rows, positions, write, mask)
-            gate, up = (self._norm(x, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ w["down"].T
+            gate, up = self._mm(self._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
+            x = x + self._mm(F.silu(gate) * up, w["down"])
         self.forward_calls += 1
         m = max(n_logits)
         if m == 0:
@@ -146,7 +146,7 @@ class BatchLlama(LlamaWeights):
         pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
         x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
         hidden = self._norm(x, self.final_norm)
-        return (hidden @ self.lm_head.T).float(), hidden.float()
+        return self._mm(hidden, self.lm_head).float(), hidden.float()
 
 
 @dataclass(eq=False)

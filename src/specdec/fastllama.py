@@ -30,6 +30,15 @@ def supports(model: Any) -> bool:
             and cfg.hidden_act == "silu")
 
 
+def row_bucket(m: int) -> int:
+    """The row count a product of m rows is padded to: m itself up to 16, then 8 buckets per
+    doubling (18, 20, .., 32, 36, .., 64, 72, ..), so padding stays under 1/8 of the rows."""
+    if m <= 16:
+        return m
+    step = 1 << ((m - 1).bit_length() - 4)
+    return -(-m // step) * step
+
+
 class LlamaWeights:
     """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm."""
@@ -58,6 +67,23 @@ class LlamaWeights:
             scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+
+        # In bfloat16 (or float16) on a CPU, torch multiplies through oneDNN, which builds and
+        # keeps a kernel for every row count it meets (an LRU of up to 1,024 of them): a
+        # server that meets every (rows x new tokens) would grow for thousands of requests.
+        # Padding the rows to a bucket keeps it to a few dozen kernels per weight shape.
+        self.bucket_rows = self.embed.device.type == "cpu" and self.embed.dtype in (torch.bfloat16, torch.float16)
+
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (..., D) @ weight.T, the rows padded to a bucket where `bucket_rows` says so."""
+        if not self.bucket_rows:
+            return x @ weight.T
+        flat = x.reshape(-1, x.shape[-1])
+        m = flat.shape[0]
+        padded = row_bucket(m)
+        if padded != m:
+            flat = F.pad(flat, (0, 0, 0, padded - m))
+        return (flat @ weight.T)[:m].view(*x.shape[:-1], weight.shape[0])
 
     @property
     def n_layers(self) -> int:
@@ -122,7 +148,7 @@ class FastLlamaLM(LlamaWeights):
         """x @ W.T, with int8 weights (one scale per output row) when the model is quantized."""
         if self.int8:
             return torch._weight_int8pack_mm(x.to(self.act_dtype), w[name + ".q"], w[name + ".s"])
-        return x @ w[name].T
+        return self._mm(x, w[name])
 
     def _quantize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(weights)
@@ -192,7 +218,7 @@ class FastLlamaLM(LlamaWeights):
             return self.last_hidden
         if self.int8:
             return self._linear(self.last_hidden, self._head_q, "head").float()
-        return (self.last_hidden @ self.lm_head.T).float()
+        return self._mm(self.last_hidden, self.lm_head).float()
 
     def _causal(self, n: int, start: int) -> torch.Tensor | None:
         """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""

@@ -151,6 +151,33 @@ def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
         torch.testing.assert_close(got[b], FastLlamaLM(model, "ref").forward(ctx, 2), atol=0.1, rtol=0.05)
 
 
+def test_bfloat16_verification_scores_exactly_what_one_token_steps_score(tiny_pair):
+    """In bfloat16, attention over n queries at once rounds differently from n one-token steps;
+    the lean path attends the scored rows one by one, so a verification pass returns, bit for
+    bit, the logits plain decoding computes, and greedy speculative output equals plain."""
+    from specdec import load
+
+    model = smollm2_shaped().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    ctx, new = torch.randint(97, (40,), generator=g).tolist(), torch.randint(97, (9,), generator=g).tolist()
+    for prefix in (ctx[:1], ctx):
+        fast = FastLlamaLM(model, "f")
+        assert fast.exact_rows
+        fast.forward(prefix, 1)
+        singles = torch.cat([fast.forward([t], 1) for t in new])
+        fast.truncate(len(prefix))
+        for n in (2, 5, 9):
+            assert torch.equal(fast.forward(new[:n], n), singles[:n]), n
+            fast.truncate(len(prefix))
+        assert torch.equal(fast.forward(new, 3), singles[-3:])  # leading rows together, the scored ones alone
+    spec = load(tiny_pair["target"], draft=tiny_pair["far"], draft_tokens=5, dtype=torch.bfloat16)
+    plain = spec.plain()
+    for prompt in ("def ", "import os\n", "class A:"):
+        want = plain.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+        got = spec.generate(prompt, max_new_tokens=40, temperature=0)
+        assert got.token_ids == want and got.stats.drafted > 0
+
+
 # ----------------------------------------------------------------- greedy equality per row
 
 PROMPT_LENGTHS, MAX_NEW, KS = (3, 9, 17, 5, 1, 30), (12, 20, 7, 16, 10, 14), (0, 1, 3, 5, 4, 2)

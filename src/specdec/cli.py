@@ -25,9 +25,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="the target's weights (auto: bfloat16 where the CPU computes it natively). In bfloat16 a "
-                        "pass over K+1 tokens rounds differently from K+1 single steps, so greedy output can "
-                        "differ from plain decoding where two logits nearly tie; float32 is token-identical")
+                   help="the target's weights (auto: bfloat16 where the CPU computes it natively). Greedy output "
+                        "equals plain decoding's in both on the lean path (Llama models); with the transformers "
+                        "backend in bfloat16, a pass over K+1 tokens rounds differently from K+1 single steps, so "
+                        "it can differ where two logits nearly tie")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, mps or auto (a GPU when there is one, else the CPU)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
@@ -121,8 +122,8 @@ def _greedy_difference(args: argparse.Namespace) -> str:
     if args.temperature != 0:
         return ""
     if args.dtype != "float32":
-        return (" (greedy tokens differ from plain decoding: with a bfloat16 target, scoring several tokens in one "
-                "pass rounds differently from scoring one at a time)")
+        return (" (greedy tokens differ from plain decoding: with a bfloat16 target on the transformers backend, "
+                "scoring several tokens in one pass rounds differently from scoring one at a time)")
     return " (greedy tokens differ from plain decoding)"
 
 

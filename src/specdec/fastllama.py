@@ -136,15 +136,15 @@ class FastLlamaLM(LlamaWeights):
             with torch.no_grad():
                 self.layers = [self._quantize(w) for w in self.layers]
                 self._head_q = self._quantize({"head": self.lm_head})
+        # In bfloat16 on a CPU, attention over n queries at once rounds differently from n
+        # one-token steps (measured on SmolLM2: logits up to 0.5 apart), so greedy speculative
+        # output could leave plain decoding where two logits nearly tie. With exact_rows the
+        # rows whose logits are returned attend one at a time, each exactly as a one-token
+        # step does (the products are row by row already): verification scores what plain
+        # decoding would, bit for bit, for ~1 ms more per scored row on SmolLM2.
+        self.exact_rows = self.bucket_rows
         # The KV buffer grows with the request (doubling, up to the context), instead of being
         # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
-        # In bfloat16 on a CPU, attention over n queries at once rounds differently from n
-        # one-token steps (measured on SmolLM2: logits 0.3 apart from the 4th row on), so greedy
-        # speculative output could leave plain decoding where two logits nearly tie. With
-        # exact_rows the rows whose logits are returned attend one at a time, each exactly as a
-        # one-token step does (the products are row by row already): verification scores what
-        # plain decoding would, bit for bit, for ~1 ms more per pass.
-        self.exact_rows = self.bucket_rows
         self.k_cache = self.v_cache = torch.zeros(0)
         self._reserve(self.INITIAL_CAPACITY)
         self.tokens: list[int] = []

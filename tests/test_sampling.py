@@ -62,3 +62,28 @@ def test_a_row_with_one_possible_token_needs_no_draw():
     almost = torch.tensor([1.0, 1e-30, 0.0])  # two possible tokens, however unlikely the second
     sample(almost, g)
     assert not torch.equal(g.get_state(), before)
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    """The inverse-CDF sampler: chi-square (alpha as in the suite) per row over many draws,
+    rows unnormalized and with zeros, which are never drawn (also over 49,152 ids)."""
+    from collections import Counter
+
+    from specdec.certify import goodness_of_fit
+    from specdec.sampling import sample
+    from tests.helpers import ALPHA
+
+    g = torch.Generator().manual_seed(7)
+    rows = torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0],
+                         [3.0, 1.0, 0.0, 0.0, 4.0],  # unnormalized
+                         [0.0, 0.0, 0.0, 1e-3, 0.999]])
+    draws = torch.stack([sample(rows, g) for _ in range(20_000)])  # (n, 3)
+    for r in range(len(rows)):
+        probs = rows[r] / rows[r].sum()
+        counts = Counter(draws[:, r].tolist())
+        assert all(probs[t] > 0 for t in counts)
+        result = goodness_of_fit(counts, {t: float(p) for t, p in enumerate(probs)}, alpha=ALPHA)
+        assert result.passed, (r, result)
+    big = torch.softmax(torch.randn(49_152, generator=g), -1)  # a real vocabulary's size
+    big[::2] = 0.0
+    assert all(int(sample(big, g)) % 2 == 1 for _ in range(200))

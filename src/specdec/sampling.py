@@ -89,9 +89,23 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, who: str = "mo
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row. probs (..., V) -> (...) int64. A single row with only one
-    possible token (greedy: one-hot) is that token, without a draw from the generator."""
+    """One token id per row. probs (..., V) -> (...) int64, not necessarily normalized. A
+    single row with only one possible token (greedy: one-hot) is that token, without a draw
+    from the generator.
+
+    By inversion: one uniform u per row, and the first id whose cumulative mass (in float64)
+    exceeds u times the row's total. `torch.multinomial` draws V exponentials for one
+    sample, 0.9 ms over SmolLM2's 49,152 ids on a 2-core CPU (a target step is ~30 ms), and a
+    round at temperature 1 samples once per drafted token and once more; this takes ~0.1 ms.
+    A token of probability 0 is never drawn (its cumulative mass equals its predecessor's)."""
     flat = probs.reshape(-1, probs.shape[-1])
     if flat.shape[0] == 1 and int((flat > 0).sum()) == 1:
         return flat.argmax(-1).reshape(probs.shape[:-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)  # (R, V)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]  # (R,)
+    over = ids >= flat.shape[-1]  # u * total rounded up to the total: the last id with mass
+    if bool(over.any()):
+        last = flat.shape[-1] - 1 - (flat > 0).flip(-1).int().argmax(-1)
+        ids = torch.where(over, last, ids)
+    return ids.reshape(probs.shape[:-1])

@@ -72,3 +72,20 @@ def test_only_a_window_is_decoded(tokenizer):
     assert len(ids) > 400 and sum(decoded) < 12 * len(ids), (sum(decoded), len(ids))
     calls = len(decoded)
     assert text(ids) == tokenizer.decode(ids, skip_special_tokens=True) and len(decoded) == calls  # asked again
+
+
+def test_timeline_draws_tokens_that_look_like_mathtext(tmp_path):
+    """Token labels are plain text: a drafted "$$" or "$x^" once made matplotlib's mathtext
+    parser fail a whole bench run."""
+    from specdec.events import RoundEvent
+    from specdec.viz.timeline import plot_timeline
+
+    class Tok:
+        def decode(self, ids):
+            return {1: "$$", 2: "$x^", 3: "\\frac{"}[ids[0]]
+
+    events = [RoundEvent(0, "ngram", 2, [1, 2], 1, 3, "recovered", [1, 3], 1, 1, 0.0, 0.01,
+                         draft_spans=[(0.0, 0.001)], target_span=(0.001, 0.01))]
+    out = tmp_path / "t.png"
+    plot_timeline(events, out, tokenizer=Tok())
+    assert out.stat().st_size > 1000

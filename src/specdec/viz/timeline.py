@@ -42,7 +42,8 @@ def plot_timeline(events: Sequence[RoundEvent], out: str | Path, tokenizer: Any 
             ax_tok.add_patch(plt.Rectangle((col, -row - 1), 0.95, 0.9, color=COLORS[kind]))
             if tokenizer is not None:
                 label = ascii(tokenizer.decode([token]))[1:-1][:6]  # escaped: fonts lack many glyphs
-                ax_tok.text(col + 0.47, -row - 0.55, label, ha="center", va="center", fontsize=6, family="monospace")
+                ax_tok.text(col + 0.47, -row - 0.55, label, ha="center", va="center", fontsize=6, family="monospace",
+                            parse_math=False)  # a token "$$" is text, not mathtext
     width = max((len(e.drafted) + 2 for e in events), default=2)
     ax_tok.set_xlim(0, width)
     ax_tok.set_ylim(-len(events) - 0.2, 0.1)

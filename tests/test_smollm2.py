@@ -56,3 +56,24 @@ def test_the_default_prophets_batch_on_the_real_target(smollm2):
     outs = decoder.generate_many(prompts, max_batch=3, max_new_tokens=20, temperature=0.0)
     for ids, out in zip(prompts, outs, strict=True):
         assert out.token_ids == smollm2.generate(ids, max_new_tokens=20, temperature=0).token_ids
+
+
+def test_bfloat16_target_with_long_drafts_is_greedy_equal():
+    """In bfloat16, verification passes of up to 9 tokens score exactly what one-token steps
+    score (the lean path attends the scored rows one at a time), so speculative output is
+    plain bf16 decoding's, token for token."""
+    import torch
+
+    from specdec.data.chat import chat_prompts
+
+    plain = load("smollm2", draft="none", dtype=torch.bfloat16)
+    spec = load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
+                dtype=torch.bfloat16)
+    suite = chat_prompts(2, heldout=True)
+    # a copying and a code request whose greedy output left plain decoding (at tokens 16 and 34)
+    # when all 9 rows attended together
+    for prompt in (suite[6], suite[2]):
+        want = plain.generate(messages=prompt.messages(), max_new_tokens=48, temperature=0)
+        got = spec.generate(messages=prompt.messages(), max_new_tokens=48, temperature=0)
+        assert got.token_ids == want.token_ids
+        assert max(len(e.drafted) for e in got.events) == 8

@@ -33,7 +33,7 @@ from specdec.events import finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
-from specdec.sampling import InvalidLogitsError, SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
 
 
 class BatchLM(Protocol):
@@ -312,23 +312,22 @@ class FeatureBatchDrafter:
         if not rows:
             return BatchDraft(tokens, None)
         k_rows = [p.max_k(ks[b]) for b in rows]
+        who = f"drafter '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
         for j in range(1, max(k_rows) + 1):
             h = p.guess(h, h0, last, j)
-            sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary
-            if bool(torch.isnan(sub).any()):
-                raise InvalidLogitsError(f"drafter '{self.name}' produced NaN logits")
-            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # the lowest id among ties, as a full argmax
+            sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary (q is 0 elsewhere)
+            check_logits(sub, who)
+            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureDrafter.propose picks greedily
             if sampled:
-                q = _probs_by_params(p.logits(h[sampled])[:, None], [reqs[rows[i]] for i in sampled],
-                                     f"drafter '{self.name}'")[:, 0]  # (B_sampled, V)
+                q = _probs_by_params(sub[sampled][:, None], [reqs[rows[i]] for i in sampled], who)[:, 0]  # (B_s, N)
                 for n, i in enumerate(sampled):
-                    picked[i] = int(sample(q[n], reqs[rows[i]].generator))
+                    picked[i] = int(p.vocab_ids[sample(q[n], reqs[rows[i]].generator)])
                     if k_rows[i] >= j:
-                        probs[rows[i], j - 1] = q[n]  # type: ignore[index]
+                        probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
             for i, b in enumerate(rows):
                 if k_rows[i] >= j:
                     tokens[b].append(picked[i])
@@ -343,7 +342,7 @@ class FeatureBatchDrafter:
 
         @torch.inference_mode()
         def step() -> None:
-            torch.softmax(p.logits(p.guess(h, h, ids, 1)), -1)
+            torch.softmax(p.draft_logits(p.guess(h, h, ids, 1)), -1)
 
         return {self.name: median_seconds(step, repeats) / len(reqs)}
 

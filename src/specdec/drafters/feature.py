@@ -186,9 +186,11 @@ class FeatureDrafter:
         """Logits over the draft vocabulary (..., N) from guessed features (..., D)."""
         return (guess.to(self.dtype) @ self.sub_head.T).float()
 
-    def logits(self, guess: torch.Tensor) -> torch.Tensor:
-        """Logits over the full vocabulary (..., V), -inf outside the draft vocabulary."""
-        return full_vocab_logits(self.draft_logits(guess), self.vocab_ids, self.vocab_size or 0)
+    def full_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft vocabulary (..., N) placed in the full vocabulary (..., V),
+        0 at every other id: the q the verifier reads."""
+        out = torch.zeros(*q.shape[:-1], self.vocab_size or 0, device=q.device)
+        return out.index_copy_(-1, self.vocab_ids, q.float())
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
@@ -213,16 +215,12 @@ class FeatureDrafter:
             draft.tokens.append(token)
             draft.forward_calls += 1
             if not params.greedy:  # greedy drafts are one-hot: probs None
-                rows.append(self._full(q))
+                rows.append(self.full_probs(q))
             if keep_drafting is not None and not keep_drafting(
-                    self._full(torch.softmax(sub.float(), -1)) if params.greedy else rows[-1]):
+                    self.full_probs(torch.softmax(sub.float(), -1)) if params.greedy else rows[-1]):
                 break
         draft.probs = torch.stack(rows) if rows else None
         return draft
-
-    def _full(self, q: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the draft vocabulary (N,) placed in the full vocabulary (V,)."""
-        return torch.zeros(self.vocab_size or 0, device=q.device).index_copy_(0, self.vocab_ids, q)
 
     def committed(self, context: Sequence[int]) -> None:
         pass

@@ -252,8 +252,9 @@ class FastLlamaLM(LlamaWeights):
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
         start, n = len(self.tokens), len(new_ids)
-        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start),
-                           n_logits, solo=n_logits if self.exact_rows else 0)
+        solo = n_logits if self.exact_rows else 0  # then _run builds the leading rows' mask itself
+        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device),
+                           None if solo else self._causal(n, start), n_logits, solo=solo)
         self.tokens.extend(new_ids)
         return logits
 

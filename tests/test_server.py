@@ -357,8 +357,10 @@ def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):
 
 def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eagle):
     """Lookup first, a feature prophet elsewhere (smollm2's default shape) runs batched:
-    concurrent greedy streams equal plain decoding, and each round says whose draft it was."""
-    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", draft_tokens=3)
+    concurrent greedy streams equal plain decoding, and each round says whose draft it was.
+    Policy fixed: with auto, whether lookup drafts at all depends on the step costs measured
+    at startup (a noisy machine once paused it for the whole run)."""
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", policy="fixed", draft_tokens=3)
     prompts = ["def ", "import os\nimport os\nimport", "class A:", "x = [1, 2, 1, 2, 1,"]
     want = {p: plain_text(dec, p, 20) for p in prompts}
     got: dict[str, str] = {}

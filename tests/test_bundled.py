@@ -1,4 +1,4 @@
-"""The bundled demo pair in models/: loads by default, decodes losslessly, fits its budget."""
+"""The bundled small pair in models/: loads as "bundled", decodes losslessly, fits its budget."""
 
 from pathlib import Path
 
@@ -7,14 +7,14 @@ import pytest
 from specdec import load
 from specdec.check import certify
 from specdec.data.prompts import build_suite
-from specdec.defaults import default_drafter, default_target
+from specdec.defaults import bundled_drafter, bundled_target
 
-MODELS = Path(default_target()).parent
+MODELS = Path(bundled_target()).parent
 
 
 @pytest.fixture(scope="module")
 def bundled():
-    return load()
+    return load("bundled")
 
 
 def test_weights_fit_the_budget_and_have_a_card():
@@ -23,9 +23,24 @@ def test_weights_fit_the_budget_and_have_a_card():
     assert "PSF" in (MODELS / "README.md").read_text()
 
 
-def test_default_decoder_is_the_bundled_pair(bundled):
-    assert bundled.target.name == default_target()
-    assert [d.name for d in bundled.drafters] == [Path(default_drafter()).name]
+def test_bundled_decoder_is_the_small_pair_with_its_drafter(bundled):
+    assert bundled.target.name == "bundled"
+    assert [d.name for d in bundled.drafters] == [Path(bundled_drafter()).name]
+
+
+def test_the_default_target_is_the_real_chat_model():
+    import inspect
+
+    from specdec.api import load as api_load
+    from specdec.cli import build_parser
+    from specdec.defaults import default_drafter_for, default_target
+
+    assert default_target() == "smollm2"
+    assert inspect.signature(api_load).parameters["target"].default is None  # None -> default_target()
+    for command in (["generate", "hi"], ["serve"], ["check"], ["bench"]):
+        args = build_parser().parse_args(command)
+        assert args.target is None  # each command loads default_target() when none is named
+    assert default_drafter_for("bundled") == bundled_drafter()
 
 
 @pytest.mark.parametrize("k", [2, 5])

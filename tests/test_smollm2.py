@@ -33,7 +33,7 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
 
 
 def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm2):
-    decoder = load("smollm2")
+    decoder = load()  # the default target is smollm2, with its default prophets
     assert [d.name for d in decoder.drafters] == ["ngram", "smollm2-eagle"]
     assert decoder.policy.name == "auto" and decoder.multi == "first" and decoder.policy.k0 == 8
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
@@ -48,7 +48,7 @@ def test_the_default_prophets_batch_on_the_real_target(smollm2):
     steps; every row's greedy tokens are what it decodes alone."""
     from specdec.batch import engine_for
 
-    decoder = load("smollm2")
+    decoder = load()  # the default target is smollm2, with its default prophets
     engine = engine_for(decoder, 3)
     assert engine is not None and engine.drafter.name == "ngram+smollm2-eagle"
     texts = [*PROMPTS, "Copy this sentence exactly: the cat sat on the mat, and the cat sat on the mat."]

@@ -63,8 +63,9 @@ def test_everything_lives_on_the_models_device(tiny_pair):
 
 
 def test_default_prophets():
-    from specdec.defaults import default_drafter, default_drafter_for, default_target, models_dir
+    from specdec.defaults import bundled_drafter, bundled_target, default_drafter_for, default_target, models_dir
 
-    assert default_drafter_for(default_target()) == default_drafter()
+    assert default_drafter_for(bundled_target()) == bundled_drafter() == default_drafter_for("bundled")
+    assert default_target() == "smollm2"
     assert default_drafter_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
     assert default_drafter_for("some/other-model") == "none"

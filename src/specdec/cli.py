@@ -8,14 +8,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdec.defaults import MAX_NEW_TOKENS, SAMPLING_RULE, TEMPERATURE, TOP_P
 from specdec.errors import SpecdecError
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target model: Hugging Face id or local path (default: bundled)")
+    p.add_argument("--target", default=None,
+                   help="target model: smollm2 (the default: SmolLM2-135M-Instruct), bundled (the small pair "
+                        "trained here on the standard library, for tests and quick runs), a Hugging Face id, a "
+                        "local directory or a GGUF file")
     p.add_argument("--draft", default="default",
                    help="drafter(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
-                        "with '+' (default: the bundled drafter)")
+                        "with '+' (default: the target's shipped prophets: for smollm2 prompt lookup, then its "
+                        "eagle prophet; for bundled its drafter; none for other models)")
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="auto", choices=["auto", "tree", "best", "first"],
@@ -35,14 +40,34 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: specdec's lean path for plain Llama models, else transformers; hf: always transformers")
 
 
-def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=TEMPERATURE,
+                   help=f"0 = greedy (default {TEMPERATURE:g}; {SAMPLING_RULE})")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=TOP_P, help=f"nucleus sampling (default {TOP_P:g})")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--draft-tokens", "-k", type=int, default=None,
                    help="K, tokens drafted per round (auto policy: the most it may choose); default 4, or 8 for "
                         "smollm2's default prophets")
+
+
+def _chat(args: argparse.Namespace, decoder: Any) -> bool:
+    """Whether prompts are user messages in the chat template: --chat, --raw, or by default
+    whenever the target's tokenizer has a chat template."""
+    if args.chat and not getattr(decoder.tokenizer, "chat_template", None):
+        raise SpecdecError("--chat: this model's tokenizer has no chat template; leave --chat out")
+    if args.chat or args.raw:
+        return bool(args.chat)
+    return bool(getattr(decoder.tokenizer, "chat_template", None))
+
+
+_JSON_OUT: list[Any] = []  # the real stdout while a --json command runs (everything else goes to stderr)
+
+
+def _print_json(doc: Any) -> None:
+    out = _JSON_OUT[-1] if _JSON_OUT else sys.stdout
+    out.write(json.dumps(doc) + "\n")
+    out.flush()
 
 
 def _dtype(name: str) -> Any:
@@ -104,11 +129,11 @@ def _read_prompts(path: str, chat: bool) -> list[dict[str, Any]]:
 def _generate_many(args: argparse.Namespace, decoder: Any, settings: dict[str, Any]) -> int:
     from rich.console import Console
 
-    jobs = _read_prompts(args.prompts_file, args.chat)
+    jobs = _read_prompts(args.prompts_file, _chat(args, decoder))
     settings = {k: v for k, v in settings.items() if k not in ("prompt", "messages")}
     outs = decoder.generate_many(jobs, max_batch=args.max_batch, **settings)
     if args.json:
-        print(json.dumps([o.to_dict() for o in outs]))
+        _print_json([o.to_dict() for o in outs])
         return 0
     for job, out in zip(jobs, outs, strict=True):
         print(f"### {job.get('prompt') or job['messages'][-1]['content']}\n{out.text}\n")
@@ -133,9 +158,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise SpecdecError("give a prompt or --prompts-file FILE (not both)")
     decoder = _load(args)
+    chat = _chat(args, decoder)
     settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
-    if args.chat:  # the prompt is the user's message, formatted with the model's chat template
+    if chat:  # the prompt is the user's message, formatted with the model's chat template
         settings["messages"] = [{"role": "user", "content": args.prompt}]
     else:
         settings["prompt"] = args.prompt
@@ -151,10 +177,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         d = out.to_dict()
         if plain is not None:
             d["plain"] = plain.generate(**settings).to_dict()
-        print(json.dumps(d))
+        _print_json(d)
         return 0
     err = Console(stderr=True)
-    sys.stdout.write(args.prompt + ("\n" if args.chat else ""))
+    sys.stdout.write(args.prompt + ("\n" if chat else ""))
     events = []
     for event in decoder.stream(**settings):
         sys.stdout.write(event.text)
@@ -200,7 +226,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     r = report.result
     if args.json:
-        print(json.dumps(report.to_dict()))
+        _print_json(report.to_dict())
     else:
         print(f"samples: {r.n_a} speculative, {r.n_b} plain; {args.tokens} tokens each; "
               f"distinct continuations {report.distinct_spec} / {report.distinct_plain}; "
@@ -243,10 +269,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def cmd_index(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from specdec.defaults import default_target
+    from specdec.defaults import default_target, resolve_bundled
     from specdec.drafters.retrieval import build_default_datastore, default_index_path
+    from specdec.gguf import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_target())
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(resolve_bundled(args.tokenizer or default_target())))
     out = Path(args.out) if args.out else default_index_path(tokenizer)
     build_default_datastore(tokenizer, out)
     return 0
@@ -291,26 +318,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="many prompts, one per line (text, or JSON with its own settings), run as one batch")
     g.add_argument("--max-batch", type=int, default=16, help="rows decoded together with --prompts-file")
     _model_args(g)
-    _sampling_args(g, temperature=0.0)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    _sampling_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help=f"the most tokens to generate (default {MAX_NEW_TOKENS})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON document on stdout and nothing else (text, token_ids, stats); "
+                        "progress and notes go to stderr")
     g.add_argument("--compare", action="store_true",
                    help="also run plain decoding (both warmed up first) and print the speedup")
-    g.add_argument("--chat", action="store_true",
-                   help="treat the prompt as a user message in the model's chat template (instruct models)")
+    form = g.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true", default=None,
+                      help="the prompt is a user message in the model's chat template (the default for a model "
+                           "with a chat template, such as smollm2)")
+    form.add_argument("--raw", action="store_true",
+                      help="plain completion: the prompt is continued as it is (the default for a model with no "
+                           "chat template, such as bundled)")
     g.add_argument("--timeline", default=None, help="write a picture of every round to this PNG")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("check", help="statistical certificate that speculation leaves the distribution unchanged")
     _model_args(c)
-    _sampling_args(c, temperature=1.0)
+    _sampling_args(c)
     c.add_argument("--prompt", default="import os\nimport sys\nimport ",
                    help="a prompt whose continuations repeat often enough to fill the test's cells")
     c.add_argument("--tokens", type=int, default=2, help="length of each sampled continuation")
     c.add_argument("--samples", type=int, default=600, help="continuations sampled each way")
     c.add_argument("--alpha", type=float, default=0.001, help="significance level")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print one JSON document on stdout and nothing else")
     c.set_defaults(func=cmd_check)
 
     t = sub.add_parser("train", help="train the tokenizer and the target on the stdlib corpus")
@@ -336,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_distill)
 
     ix = sub.add_parser("index", help="build the retrieval datastore (suffix array over the training corpus)")
-    ix.add_argument("--tokenizer", default=None, help="tokenizer to index with (default: the bundled target's)")
+    ix.add_argument("--tokenizer", default=None,
+                    help="tokenizer to index with: a model id, path, smollm2 or bundled (default: smollm2's)")
     ix.add_argument("--out", default=None, help="where to write it (default: the cache used by --draft retrieval)")
     ix.set_defaults(func=cmd_index)
 
@@ -387,6 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "json", False):
+            # One JSON document on stdout and nothing else: whatever else a command or a library
+            # prints on the way (first-run conversions, datastore builds) goes to stderr.
+            import contextlib
+
+            _JSON_OUT.append(sys.stdout)
+            try:
+                with contextlib.redirect_stdout(sys.stderr):
+                    return int(args.func(args))
+            finally:
+                _JSON_OUT.pop()
         return int(args.func(args))
     except (SpecdecError, ValueError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)

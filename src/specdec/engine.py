@@ -12,6 +12,7 @@ Plain decoding is the same loop with no drafter: every round is one target step.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from specdec.costmodel import Costs, median_seconds
+from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
@@ -159,9 +161,9 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(self.target.fresh(), None, self.tokenizer, Policy(1),
                                   eos_token_ids=self.eos_token_ids)
 
-    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
-                 draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+                 temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
+                 seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                  messages: Sequence[dict[str, str]] | None = None,
                  prophets: Sequence[str] | None = None, policy: str | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
@@ -197,9 +199,9 @@ class SpeculativeDecoder:
             return [self.generate(**job) for job in jobs]
         return engine.run_jobs(self, jobs)
 
-    def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 128, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float = 1.0, seed: int | None = None,
-               draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+    def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+               temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
+               seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                messages: Sequence[dict[str, str]] | None = None,
                prophets: Sequence[str] | None = None, policy: str | None = None) -> Iterator[RoundEvent]:
         """Yield one event per round; each carries the text it releases (`event.text`).
@@ -236,8 +238,8 @@ class SpeculativeDecoder:
         policy = self.policy if policy_name in (None, self.policy.name) else \
             make_policy(policy_name, draft_tokens or self.policy.k0)
         if policy.needs_costs and policy.costs is None and self.drafters:
-            if self._costs is None:  # measured once per decoder, whichever policy asks first
-                self._costs = self.policy.costs or self.calibrate()
+            if self._costs is None:  # fixed once per decoder, whichever policy asks first
+                self._costs = self.policy.costs or self.stored_costs()
             policy.costs = self._costs
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -276,6 +278,47 @@ class SpeculativeDecoder:
         if prompt is None:
             raise ValueError("a prompt (text or token ids) or messages is needed")
         return prompt
+
+    def costs_key(self) -> dict[str, Any]:
+        """What the step costs depend on: the models, prophets, K, precision, device and machine."""
+        import platform
+
+        from specdec.defaults import cpu_model
+
+        model = getattr(self.target, "model", None)
+        return {"version": 1, "target": self.target.name, "target_class": type(self.target).__name__,
+                "dtype": str(getattr(model, "dtype", "")), "device": str(self.target.device),
+                "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
+                "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def stored_costs(self) -> Costs:
+        """The step costs K policies decide from, measured once (`calibrate`) and stored under
+        the cache directory, keyed by `costs_key`: every decoder loaded later with the same
+        settings on this machine decides from the same numbers, so a seed fixes the output
+        of every policy across loads and processes. Delete the cache's costs/ folder (or call
+        `calibrate` and set `decoder.policy.costs`) to measure again."""
+        import hashlib
+        import json
+
+        from specdec.defaults import cache_dir
+
+        key = self.costs_key()
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = cache_dir() / "costs" / f"{digest}.json"
+        try:
+            return Costs.from_dict(json.loads(path.read_text())["costs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not measured yet (or unreadable): measure now
+        costs = self.calibrate()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1))
+            os.replace(tmp, path)  # atomic: a process reading it sees all or nothing
+        except OSError:
+            pass  # a read-only cache: this decoder still decides from its own measurement
+        return costs
 
     def calibrate(self, n_context: int = 64, repeats: int = 3) -> Costs:
         """Time, once, a plain target step, target passes scoring n = 2.. tokens (up to a

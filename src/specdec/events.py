@@ -13,7 +13,7 @@ class RoundEvent:
     drafter: str | None  # who drafted this round; None for a plain decoding step
     k: int  # draft length the policy asked for
     drafted: list[int]  # proposed tokens (the accepted path's candidates, for a tree)
-    accepted: int  # how many drafted tokens were accepted (a prefix)
+    accepted: int  # how many drafted tokens the verifier accepted (a prefix; see accepted_out)
     next_token: int  # the recovered or bonus token that ends the round
     next_kind: str  # "recovered" or "bonus"
     committed: list[int]  # tokens appended to the output this round, after stop cuts
@@ -28,6 +28,20 @@ class RoundEvent:
     proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per drafter
     text: str = ""  # text released to a stream this round
     finish_reason: str | None = None
+
+    @property
+    def accepted_out(self) -> int:
+        """Accepted drafted tokens that reached the output, the round's closing token aside:
+        `accepted`, unless EOS, a stop string or the length cut the round inside its accepted
+        run; then the last token that reached the output closes the round (`cut`), and the
+        tokens the cut threw away count nowhere. accepted_out + 1 == len(committed)."""
+        return min(self.accepted, max(len(self.committed) - 1, 0))
+
+    @property
+    def closing_kind(self) -> str:
+        """How the round's last output token came: "recovered" or "bonus" (the target's
+        token), or "cut" (an accepted drafted token after which the output ended)."""
+        return self.next_kind if len(self.committed) > self.accepted else "cut"
 
     @property
     def draft_s(self) -> float:

@@ -23,14 +23,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from specdec.defaults import cache_dir
 from specdec.errors import ModelLoadError
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def smollm2_gguf() -> Path:
@@ -127,6 +125,7 @@ def convert_gguf(path: Path, label: str | None = None) -> Path:
 
 def _convert_into(path: Path, out: Path, label: str) -> None:
     import torch
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,7 +135,7 @@ def _convert_into(path: Path, out: Path, label: str) -> None:
     hf_logging.set_verbosity_error()
     steps = ["tokenizer", "de-quantizing weights", "writing safetensors"]
     with Progress(TextColumn(f"converting {label} (once) [progress.description]{{task.description}}"), BarColumn(),
-                  TimeElapsedColumn(), transient=True) as bar:
+                  TimeElapsedColumn(), transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(steps[0], total=len(steps))
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

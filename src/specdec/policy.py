@@ -7,11 +7,13 @@
 - confidence: draft up to k_max but stop as soon as the drafter's top probability falls
               below a threshold (the seeds' "early stop").
 - optimal:    the K that maximises the expected walltime gain
-              (1 - a^(K+1)) / ((1 - a) (K c + v(K))) from running estimates of the
-              acceptance rate a, the cost ratio c = t_draft / t_target and the cost v(K)
-              of verifying K+1 tokens relative to one target step.
+              (1 - a^(K+1)) / ((1 - a) (K c + v(K))) from a running estimate of the
+              acceptance rate a and the decoder's stored costs: c = t_draft / t_target and
+              the cost v(K) of verifying K+1 tokens relative to one target step.
 
-All are exact: they only choose how much to draft, never what is accepted.
+All are exact: they only choose how much to draft, never what is accepted. None reads the
+clock during a request (auto and optimal decide from costs measured once and stored), so a
+seed fixes the output of every policy, across loads and processes on one machine.
 """
 
 from __future__ import annotations
@@ -99,41 +101,47 @@ class ConfidencePolicy(Policy):
 
 
 class OptimalPolicy(Policy):
+    """The K that maximises the expected gain (1 - a^(K+1)) / ((1 - a) (K c + v(K))) from a
+    running estimate of the acceptance a in this request and the decoder's fixed costs:
+    c = t_draft / t_plain and v(K) = t_verify(K+1) / t_plain, measured once and stored
+    (SpeculativeDecoder.stored_costs). Its choices depend on acceptance and those stored
+    numbers only, never on the clock during a request, so a seed fixes its output. Without
+    costs (a policy used outside a decoder) it assumes c = 0.1 and v(K) = 1 + verify_slope K."""
+
     name = "optimal"
+    needs_costs = True
 
     def __init__(self, k: int = 4, k_max: int = 16, verify_slope: float = 0.06, prior_rounds: float = 4.0) -> None:
         super().__init__(k)
         self.k_max = k_max
         self.verify_slope = verify_slope  # extra target cost per extra scored token (measured ~0.05-0.08 on CPU)
         self.prior_rounds = prior_rounds
+        self.costs: Costs | None = None
         self.reset()
 
     def reset(self, k: int | None = None) -> None:
-        """Running estimates restart with each request. They include measured times, so a
-        seed does not fix this policy's output at temperature > 0 (greedy output is fixed)."""
+        """The running acceptance estimate restarts with each request."""
         super().reset(k)
-        prior_rounds = self.prior_rounds
-        # Running sums, started from a mild prior (a = 0.7, c = 0.1) so the first rounds are sane.
-        self.proposed, self.accepted = prior_rounds, 0.7 * prior_rounds
-        self.draft_s_per_call, self.target_s = 0.1 * prior_rounds, prior_rounds
-        self.draft_calls, self.target_rounds = prior_rounds, prior_rounds
+        # Running sums, started from a mild prior (a = 0.7) so the first rounds are sane.
+        self.proposed, self.accepted = self.prior_rounds, 0.7 * self.prior_rounds
 
     def acceptance(self, prophet: str | None = None) -> float:
         return self.accepted / self.proposed
 
+    def _gain(self, a: float, k: int) -> float:
+        if self.costs is None:
+            return expected_gain(a, k, 0.1, 1 + self.verify_slope * k)
+        c = self.costs.t_draft / self.costs.t_plain
+        return expected_gain(a, k, c, self.costs.verify_time(1 + self.costs.width * k) / self.costs.t_plain)
+
     def observe(self, outcome: RoundOutcome) -> None:
         # Acceptance of a position given the ones before it were accepted: accepted / tested.
-        tested = min(outcome.drafted, outcome.accepted + 1)
-        self.proposed += tested
+        if outcome.drafted == 0:
+            return
+        self.proposed += min(outcome.drafted, outcome.accepted + 1)
         self.accepted += outcome.accepted
-        self.draft_s_per_call += outcome.draft_s
-        self.draft_calls += outcome.draft_calls
-        self.target_s += outcome.target_s
-        self.target_rounds += 1
         a = self.acceptance()
-        c = (self.draft_s_per_call / max(self.draft_calls, 1)) / (self.target_s / self.target_rounds)
-        self.k = max(range(1, self.k_max + 1),
-                     key=lambda k: expected_gain(a, k, c, 1 + self.verify_slope * k))
+        self.k = max(range(1, self.k_max + 1), key=lambda k: self._gain(a, k))
 
 
 @dataclass
@@ -157,8 +165,8 @@ class AutoPolicy(Policy):
     that prophet's own). When the best predicted gain falls below `break_even` that prophet
     pauses (plain steps, or another prophet's drafts) for a pause that doubles each time
     (4 rounds up to 64), then tries again from the prior. Its choices depend only on
-    acceptance and those fixed costs, so a seed fixes its output on a given decoder;
-    another process may measure slightly other costs."""
+    acceptance and those fixed costs (measured once per machine and settings, and stored:
+    SpeculativeDecoder.stored_costs), so a seed fixes its output across loads."""
 
     name = "auto"
     needs_costs = True

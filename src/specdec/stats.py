@@ -5,6 +5,12 @@ that passed; recovered = resampled at a rejection; bonus = sampled after a fully
 draft. acceptance_rate = accepted / drafted; tokens_per_round = output tokens / rounds
 (the mean accepted run length + 1).
 
+Only tokens that reached the output count. Each round's output is its accepted run and one
+closing token: the recovered or bonus token, or, where EOS, a stop string or the length
+ended the output inside the accepted run, the last accepted token kept (counted as `cut`;
+the drafted tokens after it count nowhere). So accepted + rounds == new_tokens ==
+accepted + recovered + bonus + cut, always.
+
 `alpha` is the per-position acceptance probability of the theory (Leviathan et al.'s
 alpha): of the drafted tokens that were actually tested (those up to and including the
 first rejection), the fraction accepted = accepted / (accepted + rejections). It is what
@@ -30,6 +36,7 @@ class Stats:
     accepted: int = 0
     recovered: int = 0
     bonus: int = 0
+    cut: int = 0  # rounds that EOS, a stop string or the length ended inside the accepted run
     new_tokens: int = 0
     acceptance_rate: float = 0.0
     alpha: float = 0.0
@@ -55,11 +62,13 @@ def _position_profile(events: Sequence[RoundEvent]) -> list[float]:
         if e.tree_size:  # a tree has no single draft position order
             continue
         for i in range(len(e.drafted)):
+            if e.closing_kind == "cut" and i >= e.accepted_out:
+                break  # the closing token and what the cut threw away
             if i >= len(proposed):
                 proposed.append(0)
                 accepted.append(0)
             proposed[i] += 1
-            accepted[i] += i < e.accepted
+            accepted[i] += i < e.accepted_out
     return [a / p for a, p in zip(accepted, proposed, strict=True)]
 
 
@@ -70,7 +79,7 @@ def _per_drafter(events: Sequence[RoundEvent]) -> dict[str, dict[str, float]]:
             d = out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
             d["rounds"] += 1
             d["drafted"] += n
-        for name in e.accepted_by:
+        for name in e.accepted_by[: e.accepted_out]:
             out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})["accepted"] += 1
     for d in out.values():
         d["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
@@ -86,18 +95,20 @@ def summarize(events: Sequence[RoundEvent]) -> Stats:
         s.target_calls += e.target_calls
         s.draft_calls += e.draft_calls
         s.drafted += sum(e.proposals.values()) if e.proposals else len(e.drafted)
-        s.accepted += e.accepted
-        s.recovered += e.next_kind == "recovered"
-        s.bonus += e.next_kind == "bonus"
+        s.accepted += e.accepted_out
+        kind = e.closing_kind
+        s.recovered += kind == "recovered"
+        s.bonus += kind == "bonus"
+        s.cut += kind == "cut"
         s.new_tokens += len(e.committed)
         s.draft_s += e.draft_s
         s.target_s += e.target_s
     s.wall_s = events[-1].end - events[0].start
     s.other_s = max(0.0, s.wall_s - s.draft_s - s.target_s)
     s.acceptance_rate = s.accepted / s.drafted if s.drafted else 0.0
-    rejections = sum(1 for e in events if e.next_kind == "recovered" and (e.drafted or e.proposals))
+    rejections = sum(1 for e in events if e.closing_kind == "recovered" and (e.drafted or e.proposals))
     s.alpha = s.accepted / (s.accepted + rejections) if s.accepted + rejections else 0.0
-    s.tokens_per_round = (s.accepted + s.rounds) / s.rounds
+    s.tokens_per_round = s.new_tokens / s.rounds
     s.mean_accepted_run = s.accepted / s.rounds
     s.tokens_per_s = s.new_tokens / s.wall_s if s.wall_s > 0 else 0.0
     s.acceptance_by_position = _position_profile(events)

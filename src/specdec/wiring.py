@@ -85,15 +85,17 @@ def _is_hub_id(name: str) -> bool:
 
 def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                     role: str = "model", device: torch.device | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file or "smollm2"
-    (converted once, see specdec.gguf), on `device` (default: the CPU), with clear errors."""
+    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file, "smollm2"
+    (converted once, see specdec.gguf) or "bundled" (the small pair's target), on `device`
+    (default: the CPU), with clear errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from specdec.defaults import resolve_bundled
     from specdec.gguf import resolve_model
 
     hf_logging.disable_progress_bar()
-    name_or_path = resolve_model(name_or_path)
+    name_or_path = resolve_model(resolve_bundled(name_or_path))
     path = Path(name_or_path).expanduser()
     if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
         raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")

@@ -15,6 +15,7 @@ from specdec.bench.report import fmt as _f
 from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, build_suite
+from specdec.defaults import cpu_model, default_target
 from specdec.drafters.model import ModelDrafter
 from specdec.gguf import is_alias
 
@@ -78,10 +79,10 @@ def _draft_spec(spec: str, drafter_path: str) -> str:
 def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> Runner:
     from specdec.api import load
-    from specdec.defaults import default_drafter, default_target
+    from specdec.defaults import bundled_drafter, default_target
 
     target = target or default_target()
-    drafter = drafter or default_drafter()
+    drafter = drafter or bundled_drafter()
     runner = Runner(settings)
     plain = None
     for cfg in configs:
@@ -114,12 +115,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
 def machine_info() -> dict[str, Any]:
     import transformers
 
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     from specdec.wiring import default_draft_dtype
 
     return {"platform": platform.platform(), "cpu": cpu, "native_bf16": default_draft_dtype() == torch.bfloat16,
@@ -175,7 +171,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         pics.append(plot_timeline(gen.events, out_dir / f"timeline-{tag}.png", tokenizer=tok,
                                   title=f"{main.name}, {tag}: one generation"))
     return {"mode": tag, "settings": settings, "costs": costs, "rows": rows, "by_category": cats,
-            "plots": [str(p) for p in pics],
+            "plots": [Path(p).name for p in pics],  # beside bench.json
             "runs": [{"config": r.config, "prompt": r.prompt, "category": r.category, "tokens": len(r.tokens),
                       "wall_s": r.wall_s} for r in runs]}
 
@@ -188,7 +184,7 @@ def run_bench(args: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    args.chat = args.suite == "chat" or (args.suite == "auto" and args.target is not None and is_alias(args.target))
+    args.chat = args.suite == "chat" or (args.suite == "auto" and is_alias(args.target or default_target()))
     per_category = args.per_category or (2 if args.quick else 6)
     prompts: list[Any] = chat_prompts(per_category, heldout=True) if args.chat else build_suite(per_category)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)

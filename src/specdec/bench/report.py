@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.runner import Config, Run, predicted_speedup
+from specdec.defaults import display_name
 
 
 def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tuple[list[float], bool]:
@@ -53,7 +54,7 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
     ratios, identical = _pair_ratios(runs, cfg.name, baseline, greedy)
     tokens = sum(len(r.tokens) for r in mine)
     wall = sum(r.wall_s for r in mine)
-    row: dict[str, Any] = {"config": cfg.name, "kind": cfg.kind, "draft": cfg.draft, "policy": cfg.policy,
+    row: dict[str, Any] = {"config": cfg.name, "kind": cfg.kind, "draft": display_name(cfg.draft), "policy": cfg.policy,
                            "k": cfg.k, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
                            "identical_to_plain": identical if greedy else None}
     ok = identical or not greedy

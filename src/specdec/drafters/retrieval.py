@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdec.defaults import cache_dir
 from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, span
 from specdec.sampling import SamplingParams
 
@@ -137,9 +139,6 @@ class RetrievalDrafter(FeatureBlind):
         pass
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
@@ -150,9 +149,14 @@ def default_index_path(tokenizer: Any) -> Path:
     return cache_dir() / f"retrieval-stdlib-{tokenizer_fingerprint(tokenizer)}.npz"
 
 
+def _note(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def build_default_datastore(tokenizer: Any, out: Path, heldout_percent: float = 4,
-                            seed: str = "specdec-split-v1", log: Any = print) -> Datastore:
+                            seed: str = "specdec-split-v1", log: Any = None) -> Datastore:
     """Tokenize the training split of the stdlib (never the held-out files) and index it."""
+    from rich.console import Console
     from rich.progress import Progress
 
     from specdec.data.corpus import list_files, read_text
@@ -160,7 +164,7 @@ def build_default_datastore(tokenizer: Any, out: Path, heldout_percent: float = 
     files = [f for f in list_files(heldout_percent, seed) if not f.heldout]
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids: list[int] = []
-    with Progress(transient=True) as bar:
+    with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("tokenizing the corpus", total=len(files))
         for i in range(0, len(files), 64):
             texts = [t for t in (read_text(f.path) for f in files[i : i + 64]) if t]
@@ -172,5 +176,5 @@ def build_default_datastore(tokenizer: Any, out: Path, heldout_percent: float = 
         store = Datastore.build(np.asarray(ids, dtype=np.uint16))
         bar.update(task2, advance=1)
     store.save(out)
-    log(f"retrieval datastore: {len(ids):,} tokens from {len(files)} files -> {out}")
+    (log or _note)(f"retrieval datastore: {len(ids):,} tokens from {len(files)} files -> {out}")
     return store

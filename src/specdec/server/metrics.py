@@ -44,15 +44,16 @@ class ServerMetrics:
         self._drafted = self._accepted = 0
 
     def round(self, event: RoundEvent) -> None:
-        drafted, accepted = len(event.drafted), event.accepted
+        drafted, accepted = len(event.drafted), event.accepted_out  # only tokens that reached the output
         self.rounds.inc()
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
         self.generated.inc(len(event.committed))
         self.tokens_per_round.observe(len(event.committed))
-        if event.next_kind == "recovered":
+        kind = event.closing_kind
+        if kind == "recovered":
             self.recovered.inc()
-        elif event.next_kind == "bonus":
+        elif kind == "bonus":
             self.bonus.inc()
         with self._lock:
             self._drafted += drafted

@@ -101,6 +101,7 @@ def early_features(target: str, data_dir: Path, layers: int, log: Any = print) -
     """The target's early-exit feature after its first `layers` layers (through its final
     norm) at every stored position, in the order of `load_shards`; computed once with the
     lean path and cached beside the shards (data_dir/early-L.pt)."""
+    from rich.console import Console
     from rich.progress import Progress
 
     from specdec.fastllama import FastLlamaLM
@@ -114,7 +115,7 @@ def early_features(target: str, data_dir: Path, layers: int, log: Any = print) -
     out: list[torch.Tensor] = []
     shards = sorted(data_dir.glob("shard-*.pt"))
     t0 = time.perf_counter()
-    with Progress(transient=True) as bar:
+    with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"early-exit features after {layers} layers", total=len(shards))
         for shard_path in shards:
             shard = torch.load(shard_path, weights_only=True)
@@ -199,6 +200,7 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
                cfg: dict[str, Any], ckpt: Path, minutes: float, max_steps: int | None = None,
                log: Any = print, targets_cache: Path | None = None) -> tuple[FeatureHead, dict[str, Any]]:
     """Train (resuming from ckpt if it exists) for `minutes` of wall time or max_steps."""
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     unroll = int(cfg["unroll"])
@@ -234,7 +236,7 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
     t_start = time.perf_counter() - elapsed
     agree: list[float] = []
     with Progress(TextColumn(f"{kind} prophet"), BarColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn()) as bar:
+                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
         task = bar.add_task("", total=budget, completed=int(elapsed), info="")
         while (time.perf_counter() - t_start) < budget and (max_steps is None or step < max_steps):
             lr = lr_max * 0.5 * (1 + math.cos(math.pi * min(1.0, step / est_steps)))

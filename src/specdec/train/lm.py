@@ -135,6 +135,7 @@ def run_loop(
     log: Any = print,
 ) -> dict[str, Any]:
     """Train until s.minutes of (accumulated) wall time; resume from ckpt_path if present."""
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     torch.manual_seed(s.seed)
@@ -164,8 +165,7 @@ def run_loop(
         BarColumn(),
         TextColumn("{task.percentage:>3.0f}% step {task.fields[step]} loss {task.fields[loss]:.3f} "
                    "{task.fields[tps]:.0f} tok/s"),
-        TimeElapsedColumn(),
-    ) as bar:
+        TimeElapsedColumn(), console=Console(stderr=True)) as bar:
         task = bar.add_task(label, total=budget, completed=state["elapsed"], step=state["step"], loss=0.0, tps=0.0)
         while state["elapsed"] < budget and (s.max_steps is None or state["step"] < s.max_steps):
             t0 = time.perf_counter()

@@ -84,6 +84,7 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
                   temperatures: list[float], seed: int = 0, minutes: float | None = None,
                   dtype: torch.dtype = torch.float32, log: Any = print) -> Path:
     """Answer `n_prompts` training prompts (all four categories) into shards under out_dir."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.wiring import load_pretrained
@@ -109,7 +110,8 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
     deadline = time.monotonic() + minutes * 60 if minutes else None
     generator = torch.Generator().manual_seed(seed)
     with Progress(TextColumn("self-distillation data"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), transient=False) as bar:
+                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), transient=False,
+                  console=Console(stderr=True)) as bar:
         task = bar.add_task("", total=len(batches), tok="")
         tokens_done = 0
         for done_batches, bi in enumerate(visit):

@@ -1,0 +1,107 @@
+"""What a new user is promised: `--json` prints one JSON document on stdout and nothing
+else (first-run conversions and datastore builds included), and with a seed the output is
+a function of (decoder settings, prompt, seed) for every policy, across fresh loads."""
+
+import json
+
+import pytest
+
+import specdec.data.corpus as corpus
+from specdec import load
+from specdec.cli import main
+from specdec.policy import POLICIES
+from tests.gguf_writer import write_tiny_gguf
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def run_json(argv, capfd):
+    code = main(argv)
+    out, err = capfd.readouterr()
+    assert code in (0, 1), err
+    assert out.endswith("\n") and out.count("\n") == 1, out[:500]  # one line: one document
+    return json.loads(out), err
+
+
+def test_every_json_command_prints_one_json_document_and_nothing_else(tiny_pair, tmp_path, cache, monkeypatch,
+                                                                      capfd):
+    every = corpus.list_files
+    monkeypatch.setattr(corpus, "list_files", lambda *a, **k: every(*a, **k)[:40])  # a small first-run build
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    # first run: the GGUF file is converted and the retrieval datastore built, both with progress
+    doc, err = run_json(["generate", "abc", "--target", str(gguf), "--draft", "retrieval", "--max-new-tokens", "6",
+                         "--temperature", "0", "--json"], capfd)
+    assert len(doc["token_ids"]) == 6
+    assert "retrieval datastore" in err and (cache / "gguf").is_dir()
+    tiny = ["--target", tiny_pair["target"], "--draft", tiny_pair["close"]]
+    doc, _ = run_json(["generate", "def f(", *tiny, "--max-new-tokens", "8", "--temperature", "0", "--compare",
+                       "--json"], capfd)
+    assert doc["plain"]["token_ids"] == doc["token_ids"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(\nimport os\n")
+    doc, _ = run_json(["generate", "--prompts-file", str(prompts), *tiny, "--max-new-tokens", "5", "--json"], capfd)
+    assert len(doc) == 2 and all(len(d["token_ids"]) == 5 for d in doc)
+    doc, _ = run_json(["check", *tiny, "--samples", "20", "--json"], capfd)
+    assert "p_value" in json.dumps(doc)
+    # an error is one line on stderr, exit code 2, and nothing on stdout
+    assert main(["generate", "x", *tiny, "--max-new-tokens", "0", "--json"]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("specdec: error:")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_seed_fixes_the_output_of_every_policy_across_fresh_loads(tiny_pair, cache, policy):
+    outs = []
+    for _ in range(3):  # three freshly loaded decoders, as three runs of the CLI would be
+        decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy=policy, draft_tokens=4)
+        outs.append([decoder.generate("def f(", max_new_tokens=24, temperature=1.0, seed=seed).token_ids
+                     for seed in (1, 2, 3)])
+        assert decoder.generate("def f(", max_new_tokens=24, temperature=1.0, seed=1).token_ids == outs[-1][0]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_policies_that_need_costs_read_them_stored_not_measured_again(tiny_pair, cache):
+    first = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto")
+    first.generate("def f(", max_new_tokens=4, seed=0)
+    stored = list((cache / "costs").glob("*.json"))
+    assert len(stored) == 1
+    second = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto")
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    second.calibrate = no_measuring
+    second.generate("def f(", max_new_tokens=4, seed=0)
+    assert second.policy.costs == first.policy.costs
+    # other settings are other costs: K is part of the key
+    third = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto", draft_tokens=6)
+    third.generate("def f(", max_new_tokens=4, seed=0)
+    assert len(list((cache / "costs").glob("*.json"))) == 2
+
+
+def test_the_cli_gives_one_text_per_seed_for_the_optimal_policy(tiny_pair, cache, capfd):
+    texts = []
+    for _ in range(3):
+        doc, _ = run_json(["generate", "def f(", "--target", tiny_pair["target"], "--draft", tiny_pair["close"],
+                           "--policy", "optimal", "--temperature", "1", "--seed", "42", "--max-new-tokens", "24",
+                           "--json"], capfd)
+        texts.append(doc["token_ids"])
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_help_states_the_one_rule_for_sampling_defaults(capsys):
+    from specdec.defaults import MAX_NEW_TOKENS, SAMPLING_RULE, TEMPERATURE
+    from specdec.engine import SpeculativeDecoder
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert " ".join(SAMPLING_RULE.split()) in text
+    import inspect
+
+    params = inspect.signature(SpeculativeDecoder.generate).parameters
+    assert params["temperature"].default == TEMPERATURE and params["max_new_tokens"].default == MAX_NEW_TOKENS

@@ -90,7 +90,8 @@ def _stats_table(stats: Any, title: str) -> Any:
 
     t = Table(title=title, show_header=False)
     d = stats.to_dict()
-    for key in ["rounds", "target_calls", "draft_calls", "drafted", "accepted", "recovered", "bonus", "new_tokens"]:
+    for key in ["rounds", "target_calls", "draft_calls", "drafted", "accepted", "recovered", "bonus", "cut",
+                "new_tokens"]:
         t.add_row(key, str(d[key]))
     t.add_row("acceptance_rate (accepted/drafted)", f"{d['acceptance_rate']:.3f}")
     t.add_row("alpha (per tested position)", f"{d['alpha']:.3f}")

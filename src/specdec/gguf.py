@@ -16,10 +16,12 @@ failed conversion leaves nothing half-written that a later run could load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +125,21 @@ def convert_gguf(path: Path, label: str | None = None) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _quiet_gguf_reader() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar per tensor, which no logging setting
+    turns off: hand it a plain iterator while the conversion runs."""
+    import transformers.modeling_gguf_pytorch_utils as reader
+
+    bar = getattr(reader, "tqdm", None)
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if bar is not None:
+            reader.tqdm = bar  # type: ignore[attr-defined]
+
+
 def _convert_into(path: Path, out: Path, label: str) -> None:
     import torch
     from rich.console import Console
@@ -140,8 +157,9 @@ def _convert_into(path: Path, out: Path, label: str) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             bar.update(task, advance=1, description=steps[1])
-            model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+            with _quiet_gguf_reader():  # our bar says where the conversion is; no second one
+                model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
         except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
             raise ModelLoadError(f"could not convert GGUF file '{path}': {type(e).__name__}: {e}") from None
         bar.update(task, advance=1, description=steps[2])

@@ -6,6 +6,11 @@ A request is validated and tokenised before it is queued, so bad input is a 4xx 
 response header is sent and never reaches the engine. The scheduler (scheduler.py) runs the
 engine in one thread; here each request only awaits its own queue, and a task watches the
 connection so that a client that goes away, queued or running, is cancelled at once.
+
+On SIGTERM or SIGINT (before uvicorn's graceful shutdown starts waiting for open requests)
+the scheduler ends every request at once: a running stream gets an error event, then
+[DONE]; a queued or newly arriving request gets a 503. So the connections close promptly
+and nothing is cut off by uvicorn's --shutdown-timeout.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.resources import files
@@ -31,7 +37,7 @@ from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, BodyLimit
-from specdec.server.scheduler import End, Job, JobStream, QueueFull, Round, Scheduler
+from specdec.server.scheduler import End, Job, JobStream, QueueFull, Round, Scheduler, ShuttingDown
 from specdec.server.schemas import ChatRequest, CompletionRequest, SpecdecOptions, _Sampling
 from specdec.stats import summarize
 
@@ -63,8 +69,12 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.warm_up:
             await asyncio.to_thread(scheduler.warm_up)
-        yield
-        scheduler.stop()
+        restore = _shut_down_on_exit_signals(asyncio.get_running_loop(), scheduler.shut_down)
+        try:
+            yield
+        finally:
+            restore()
+            scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan,
                   description="Lossless speculative decoding behind OpenAI-compatible endpoints")
@@ -168,6 +178,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     def submit(job: Job) -> JobStream:
         try:
             return scheduler.submit(job)
+        except ShuttingDown as e:
+            metrics.rejected.labels("shutdown").inc()
+            raise ApiError(503, str(e), None, "shutdown") from None
         except QueueFull as e:
             metrics.rejected.labels("queue_full").inc()
             raise ApiError(429, str(e), None, "queue_full", {"Retry-After": "1"}) from None
@@ -345,9 +358,10 @@ class _Shape:
                 item = await anext(stream)
             if item.reason == "deadline":
                 yield self.chunk([self.choice("", "length", n == 0)], {"deadline_exceeded": True})
-            elif item.reason != "done":
+            elif item.reason != "done":  # an error event, then [DONE]: the stream still ends as streams end
                 err = _end_to_error(item)
                 yield f"data: {json.dumps(err.body())}\n\n"
+                yield "data: [DONE]\n\n"
                 return
             if self.include_usage:
                 yield self.chunk([], None, self.usage())
@@ -355,6 +369,37 @@ class _Shape:
         finally:
             watcher.cancel()
             stream.cancel()
+
+
+def _shut_down_on_exit_signals(loop: asyncio.AbstractEventLoop, shut_down: Callable[[], None]) -> Callable[[], None]:
+    """Run `shut_down` in the event loop on SIGTERM and SIGINT, then the handler that was
+    there (uvicorn's, which starts its graceful shutdown). Returns what puts the old handlers
+    back. Only in the main thread (signals are delivered there), and only over a handler
+    that is a function: the default action or an ignored signal is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    installed: dict[int, tuple[Any, Any]] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum: int, frame: Any, previous: Callable[[int, Any], Any] = previous) -> None:
+            try:
+                loop.call_soon_threadsafe(shut_down)
+            except RuntimeError:  # the loop has closed
+                pass
+            previous(signum, frame)
+
+        signal.signal(sig, handler)
+        installed[sig] = (handler, previous)
+
+    def restore() -> None:
+        for sig, (handler, previous) in installed.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, previous)
+
+    return restore
 
 
 def _end_to_error(end: End) -> ApiError:

@@ -60,6 +60,10 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(QueueFull):
+    """The server is stopping and takes no more requests."""
+
+
 @dataclass
 class Job:
     """A validated, tokenised request, ready to run."""
@@ -226,7 +230,7 @@ class Scheduler:
         stream = JobStream(self, job)
         with self._cond:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting, {self._n_running()} "
                                 "running): retry later")
@@ -260,10 +264,20 @@ class Scheduler:
     def _n_running(self) -> int:
         return len(self._running) + len(self._rows)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def shut_down(self) -> None:
+        """Stop taking requests, and end every one there is: running ones after the step now
+        under way (their streams get an error, then [DONE]), queued ones at once (503).
+        Returns at once; the thread ends them and exits."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+            idle = self._thread is None or not self._thread.is_alive()
+        if idle:  # no thread to do it (none was ever needed)
+            self._shutdown()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.shut_down()
+        with self._cond:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)

@@ -105,3 +105,25 @@ def test_help_states_the_one_rule_for_sampling_defaults(capsys):
 
     params = inspect.signature(SpeculativeDecoder.generate).parameters
     assert params["temperature"].default == TEMPERATURE and params["max_new_tokens"].default == MAX_NEW_TOKENS
+
+
+def test_the_server_follows_the_same_defaults(tiny_pair):
+    """No max_tokens: the rule's 128 (within the context); temperature and top_p absent or null:
+    the rule's 1.0, so a seeded answer equals the API's seeded sample with the defaults."""
+    import httpx
+
+    from specdec.defaults import MAX_NEW_TOKENS
+    from specdec.server import ServerConfig, create_app
+    from tests.server_fixtures import serve_in_thread
+
+    decoder = load(tiny_pair["target"], draft="none")
+    want = decoder.generate("def f(", seed=7)  # the API's defaults: 128 tokens at most, temperature 1
+    assert len(want.token_ids) <= MAX_NEW_TOKENS
+    with serve_in_thread(create_app(decoder, "tiny", ServerConfig(max_tokens=4096))) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+        for body in ({"prompt": "def f(", "seed": 7}, {"prompt": "def f(", "seed": 7, "temperature": None,
+                                                         "top_p": None, "max_tokens": None}):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want.text
+            assert r.json()["usage"]["completion_tokens"] == len(want.token_ids)

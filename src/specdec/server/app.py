@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
@@ -89,7 +90,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec",
-                "specdec": {"target": decoder.target.name, "draft": prophet, "policy": policy,
+                "specdec": {"target": display_name(decoder.target.name), "draft": prophet, "policy": policy,
                             "prophets": [d.name for d in decoder.drafters],
                             "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
                             "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
@@ -114,15 +115,17 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             raise ApiError(400, f"specdec.policy: choose one of {', '.join(POLICIES)} (this server's default: "
                                 f"{policy})", "specdec.policy")
         room = decoder.target.max_length - prompt_len
-        if max_tokens is None:
-            max_tokens = min(config.max_tokens, room)
+        if max_tokens is None:  # the one rule for defaults (specdec.defaults), within the context
+            max_tokens = min(MAX_NEW_TOKENS, config.max_tokens, room)
         if max_tokens > config.max_tokens:
             raise ApiError(400, f"max_tokens may be at most {config.max_tokens} on this server", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise ApiError(400, "stop strings must be non-empty", "stop")
-        return Job(ids=[], max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k or None,
-                   top_p=body.top_p, seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
+        temperature = TEMPERATURE if body.temperature is None else body.temperature
+        top_p = TOP_P if body.top_p is None else body.top_p
+        return Job(ids=[], max_tokens=max_tokens, temperature=temperature, top_k=body.top_k or None, top_p=top_p,
+                   seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
                    plain=opts.draft == "none" and prophet != "none", prophets=chosen, policy=opts.policy,
                    details=opts.rounds,
                    timeout_s=config.timeout_s,

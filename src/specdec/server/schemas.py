@@ -120,8 +120,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # None (or absent): the one default of every entry point (specdec.defaults), as OpenAI allows null
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, le=TOP_K_LIMIT)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
@@ -170,7 +171,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: specdec.defaults.MAX_NEW_TOKENS
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)

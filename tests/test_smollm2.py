@@ -77,3 +77,11 @@ def test_bfloat16_target_with_long_drafts_is_greedy_equal():
         got = spec.generate(messages=prompt.messages(), max_new_tokens=48, temperature=0)
         assert got.token_ids == want.token_ids
         assert max(len(e.drafted) for e in got.events) == 8
+    # On an AMD EPYC with avx512_bf16, a one-row product ran on another kernel than the
+    # verification's K+1 rows, and these left plain decoding at tokens 8 and 3 (default
+    # prophets, auto K) until products were padded to row counts that round alike.
+    default = load(dtype=torch.bfloat16)
+    for question in ("Describe a cat to someone who has never seen one.", "Give me three tips for sleeping better."):
+        messages = [{"role": "user", "content": question}]
+        want = plain.generate(messages=messages, max_new_tokens=16, temperature=0)
+        assert default.generate(messages=messages, max_new_tokens=16, temperature=0).token_ids == want.token_ids

@@ -39,6 +39,58 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+# How the rows of a reduced-precision product are padded so that each row's result never
+# depends on how many rows share the product (speculative verification scores K+1 rows at
+# once where plain decoding scores one; a batch scores many requests' rows together):
+#   "min2":  at least 2 rows (then row_bucket). CPUs that compute bf16 natively (avx512_bf16,
+#            AMX) run a 1-row product on another kernel, whose reduction order differs: on an
+#            AMD EPYC with avx512_bf16, SmolLM2's down projection rounds ~6% of single rows
+#            differently, and greedy speculative bf16 output left plain bf16 decoding on 7 of
+#            10 chat prompts. From 2 rows up every row count gives the same bits there.
+#   "tile16": a multiple of 16 rows. Kernels that emulate bf16 (AVX-512 without bf16) change
+#            a row's bits with the row count unless every product is whole 16-row tiles.
+#   "none":  any row count gives the same bits (e.g. AVX2 kernels).
+ROW_POLICIES = ("none", "min2", "tile16")
+_ROW_POLICY: dict[tuple[Any, ...], str] = {}  # probed once per (dtype, weight shapes, device)
+
+
+def padded_rows(m: int, policy: str) -> int:
+    """The row count a product of m rows runs at under a row policy (see ROW_POLICIES)."""
+    if policy == "tile16":
+        return -(-row_bucket(m) // 16) * 16
+    if policy == "min2":
+        return max(2, row_bucket(m))
+    return row_bucket(m)
+
+
+def probe_row_policy(weights: Sequence[torch.Tensor], sizes: Sequence[int] = (1, 2, 3, 5, 9, 16, 17, 24, 33),
+                     rows: int = 96) -> str:
+    """The cheapest row policy under which every row of a product of these weights has the
+    same bits whatever the row count (checked on random rows against whole 16-row tiles, on
+    this machine's kernels); "tile16" if no cheaper one holds."""
+    gen = torch.Generator().manual_seed(0)
+    for policy in ROW_POLICIES[:-1]:
+        if all(_rows_invariant(w, policy, sizes, rows, gen) for w in weights):
+            return policy
+    return "tile16"
+
+
+@torch.inference_mode()
+def _rows_invariant(weight: torch.Tensor, policy: str, sizes: Sequence[int], rows: int,
+                    gen: torch.Generator) -> bool:
+    x = (torch.randn(rows, weight.shape[1], generator=gen) * 2).to(weight.dtype).to(weight.device)
+    reference = torch.cat([F.pad(x[s : s + 16], (0, 0, 0, 16 - len(x[s : s + 16]))) @ weight.T
+                           for s in range(0, rows, 16)])[:rows]
+    for m in sizes:
+        n = rows - rows % m
+        for s in range(0, n, m):
+            block = x[s : s + m]
+            got = (F.pad(block, (0, 0, 0, padded_rows(m, policy) - m)) @ weight.T)[:m]
+            if not torch.equal(got, reference[s : s + m]):
+                return False
+    return True
+
+
 class LlamaWeights:
     """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm."""
@@ -73,14 +125,25 @@ class LlamaWeights:
         # server that meets every (rows x new tokens) would grow for thousands of requests.
         # Padding the rows to a bucket keeps it to a few dozen kernels per weight shape.
         self.bucket_rows = self.embed.device.type == "cpu" and self.embed.dtype in (torch.bfloat16, torch.float16)
+        # And the row counts it pads to are ones whose rows round exactly as a one-row product
+        # does on this machine's kernels (see ROW_POLICIES), probed once per weight shapes.
+        self.row_policy = self._probe_rows() if self.bucket_rows else "none"
+
+    def _probe_rows(self) -> str:
+        layer = self.layers[0]
+        weights = [layer[name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        key = (self.embed.dtype, str(self.device), *(tuple(w.shape) for w in weights))
+        if key not in _ROW_POLICY:
+            _ROW_POLICY[key] = probe_row_policy(weights)
+        return _ROW_POLICY[key]
 
     def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x (..., D) @ weight.T, the rows padded to a bucket where `bucket_rows` says so."""
+        """x (..., D) @ weight.T, the rows padded as `row_policy` says where `bucket_rows` says so."""
         if not self.bucket_rows:
             return x @ weight.T
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
-        padded = row_bucket(m)
+        padded = padded_rows(m, self.row_policy)
         if padded != m:
             flat = F.pad(flat, (0, 0, 0, padded - m))
         return (flat @ weight.T)[:m].view(*x.shape[:-1], weight.shape[0])

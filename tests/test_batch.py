@@ -179,6 +179,25 @@ def test_bfloat16_verification_scores_exactly_what_one_token_steps_score(tiny_pa
         assert got.token_ids == want and got.stats.drafted > 0
 
 
+def test_bfloat16_batch_rows_score_exactly_what_the_request_alone_scores():
+    """Each row of a bfloat16 batch attends on its own (and its products round as one row's):
+    whatever shares the batch and however its rows are padded, a row's logits are, bit for
+    bit, those of the same tokens through the one-request path."""
+    model = smollm2_shaped().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(97, (n,), generator=g).tolist() for n in (3, 30, 11, 17)]
+    feeds = [torch.randint(97, (n,), generator=g).tolist() for n in (9, 1, 5, 3)]
+    batch = BatchLlama(model, "b", slots=4)
+    assert batch.exact_rows
+    batch.forward([0, 1, 2, 3], [0] * 4, contexts, [0] * 4)  # prefill, rows padded to the longest
+    got = batch.forward([0, 1, 2, 3], [len(c) for c in contexts], feeds, [len(f) for f in feeds])
+    for b, (ctx, feed) in enumerate(zip(contexts, feeds, strict=True)):
+        fast = FastLlamaLM(model, "f")
+        fast.forward(ctx, 1)
+        want = torch.cat([fast.forward([t], 1) for t in feed])  # one-token steps: plain decoding
+        assert torch.equal(got[b, : len(feed)], want), b
+
+
 # ----------------------------------------------------------------- greedy equality per row
 
 PROMPT_LENGTHS, MAX_NEW, KS = (3, 9, 17, 5, 1, 30), (12, 20, 7, 16, 10, 14), (0, 1, 3, 5, 4, 2)

@@ -85,3 +85,21 @@ def test_bfloat16_target_with_long_drafts_is_greedy_equal():
         messages = [{"role": "user", "content": question}]
         want = plain.generate(messages=messages, max_new_tokens=16, temperature=0)
         assert default.generate(messages=messages, max_new_tokens=16, temperature=0).token_ids == want.token_ids
+
+
+def test_bfloat16_batched_rows_are_plain_bf16_decoding():
+    """generate_many in bfloat16, default prophets and batched plain decoding alike: every row
+    is token for token what plain bf16 decoding of that prompt alone gives (rows attend on
+    their own; products round alike at every row count)."""
+    import torch
+
+    spec = load(dtype=torch.bfloat16)
+    plain = spec.plain()
+    questions = ["Describe a cat to someone who has never seen one.", "Explain photosynthesis briefly.",
+                 "Give me three tips for sleeping better.", "Why is the sky blue?",
+                 "Write a Python function that reverses a string.", "Summarize the plot of Romeo and Juliet."]
+    jobs = [{"messages": [{"role": "user", "content": q}]} for q in questions]
+    want = [plain.generate(**job, max_new_tokens=32, temperature=0).token_ids for job in jobs]
+    for decoder in (spec, plain):
+        got = [g.token_ids for g in decoder.generate_many(jobs, max_new_tokens=32, temperature=0)]
+        assert got == want

@@ -31,7 +31,7 @@ from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import FastLlamaLM, LlamaWeights, supports
+from specdec.fastllama import FastLlamaLM, LlamaWeights, exact_attention, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
@@ -74,6 +74,9 @@ class BatchLlama(LlamaWeights):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)  # (L, S, Hkv, T, hd)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.forward_calls = 0
+        # As FastLlamaLM: in bfloat16 each row attends on its own, its scored tokens one by one,
+        # so a row scores exactly what the same request alone (or plain decoding) would.
+        self.exact_rows = self.bucket_rows
 
     def _reserve(self, end: int) -> None:
         """Room for positions [0, end) in every slot: grow by doubling, keep what is written."""
@@ -87,9 +90,12 @@ class BatchLlama(LlamaWeights):
         self.k_cache, self.v_cache = k, v
 
     def _attention(self, i: int, h: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
-                   write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+                   write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   exact: Sequence[tuple[int, int, int, int]] = ()) -> torch.Tensor:
         """h (B, n, D) at positions (B, n); write = (valid (B, n), slot (m,), position (m,)) of
-        the real (unpadded) tokens; mask (B, 1, n, T) True where a key is visible."""
+        the real (unpadded) tokens; mask (B, 1, n, T) True where a key is visible. exact: per
+        row (slot, start, new tokens, scored tokens) to attend each row on its own through
+        `exact_attention`, as a one-request pass does (bfloat16), instead of all rows at once."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
         q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
@@ -100,9 +106,17 @@ class BatchLlama(LlamaWeights):
         # Written by position: entries past a row's committed length are stale, overwritten later.
         self.k_cache[i][slot_of, :, pos_of] = k.transpose(1, 2)[valid]  # (m, Hkv, hd)
         self.v_cache[i][slot_of, :, pos_of] = v.view(n_rows, n, self.n_kv, hd)[valid]
-        end = mask.shape[-1]
-        keys, values = self.k_cache[i, rows, :, :end], self.v_cache[i, rows, :, :end]  # (B, Hkv, T, hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        gqa = self.n_kv != self.n_heads
+        if exact:  # each row alone: its scores never depend on the rows beside it
+            out = torch.zeros_like(q)  # (B, Hq, n, hd); padded queries stay 0 and are discarded
+            for b, (slot, start, n_new, solo) in enumerate(exact):
+                out[b : b + 1, :, :n_new] = exact_attention(q[b : b + 1, :, :n_new], self.k_cache[i, slot][None],
+                                                            self.v_cache[i, slot][None], start,
+                                                            min(solo, n_new) if n_new > 1 else 0, gqa)
+        else:
+            end = mask.shape[-1]
+            keys, values = self.k_cache[i, rows, :, :end], self.v_cache[i, rows, :, :end]  # (B, Hkv, T, hd)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
     @torch.inference_mode()
@@ -134,8 +148,10 @@ class BatchLlama(LlamaWeights):
         contiguous = bool((slot_t == torch.arange(s0, s0 + len(slots), device=device)).all())
         rows: torch.Tensor | slice = slice(s0, s0 + len(slots)) if contiguous else slot_t  # a view, not a copy
         x = self.embed[ids]  # (B, n, D)
+        exact = [(int(s), st, len(r), k) for s, st, r, k in zip(slots, starts, new_ids, n_logits, strict=True)] \
+            if self.exact_rows else []
         for i, w in enumerate(self.layers):
-            x = x + self._attention(i, self._norm(x, w["in_norm"]), rows, positions, write, mask)
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), rows, positions, write, mask, exact)
             gate, up = self._mm(self._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
             x = x + self._mm(F.silu(gate) * up, w["down"])
         self.forward_calls += 1

@@ -91,6 +91,29 @@ def _rows_invariant(weight: torch.Tensor, policy: str, sizes: Sequence[int], row
     return True
 
 
+def causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""
+    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
+                    gqa: bool) -> torch.Tensor:
+    """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
+    cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries together under a
+    causal mask, then each of the last `solo` queries alone, exactly as a one-token step
+    attends (in bfloat16 attention over several queries at once rounds differently). Every
+    lean path (FastLlamaLM, each row of BatchLlama) attends through here, so a row's scores
+    never depend on how many tokens or rows share its pass. Returns (1, Hq, n, hd)."""
+    n = q.shape[2]
+    lead = n - solo
+    parts = [F.scaled_dot_product_attention(q[:, :, :lead], keys[:, :, :start + lead], values[:, :, :start + lead],
+                                            attn_mask=causal_mask(lead, start, q.device), enable_gqa=gqa)] \
+        if lead else []
+    parts += [F.scaled_dot_product_attention(q[:, :, j:j + 1], keys[:, :, :start + j + 1],
+                                             values[:, :, :start + j + 1], enable_gqa=gqa) for j in range(lead, n)]
+    return torch.cat(parts, dim=2)
+
+
 class LlamaWeights:
     """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm."""
@@ -253,8 +276,7 @@ class FastLlamaLM(LlamaWeights):
     def _attention(self, i: int, h: torch.Tensor, start: int, positions: torch.Tensor,
                    mask: torch.Tensor | None, solo: int = 0) -> torch.Tensor:
         """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) or None = causal.
-        solo > 0 (causal passes only): the last `solo` rows attend one by one, and mask is the
-        causal mask of the n - solo leading rows."""
+        solo > 0 (causal passes only): see `exact_attention` (mask is then ignored)."""
         n, hd = h.shape[0], self.head_dim
         w = self.layers[i]
         qkv = self._linear(h, w, "qkv")  # (n, (Hq + 2 Hkv) hd)
@@ -270,15 +292,8 @@ class FastLlamaLM(LlamaWeights):
         if not solo:
             out = F.scaled_dot_product_attention(q[None], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                                                  enable_gqa=gqa)[0]
-        else:  # the leading rows together, then each of the last `solo` rows exactly as a one-token step
-            lead = n - solo
-            parts = [F.scaled_dot_product_attention(q[None, :, :lead], keys[:, :, :start + lead],
-                                                    values[:, :, :start + lead], attn_mask=mask,
-                                                    enable_gqa=gqa)[0]] if lead else []
-            parts += [F.scaled_dot_product_attention(q[None, :, j:j + 1], keys[:, :, :start + j + 1],
-                                                     values[:, :, :start + j + 1], enable_gqa=gqa)[0]
-                      for j in range(lead, n)]
-            out = torch.cat(parts, dim=1)  # (Hq, n, hd)
+        else:
+            out = exact_attention(q[None], keys, values, start, solo, gqa)[0]  # (Hq, n, hd)
         return self._linear(out.transpose(0, 1).reshape(n, self.n_heads * hd), w, "o")
 
     def _run(self, ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int,
@@ -292,8 +307,6 @@ class FastLlamaLM(LlamaWeights):
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
         self._reserve(start + n)
         solo = min(solo, n) if n > 1 else 0
-        if solo:
-            mask = self._causal(n - solo, start)
         x = self.embed[torch.tensor(list(ids), device=self.device)]  # (n, D)
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask, solo)
@@ -308,8 +321,7 @@ class FastLlamaLM(LlamaWeights):
         return self._mm(self.last_hidden, self.lm_head).float()
 
     def _causal(self, n: int, start: int) -> torch.Tensor | None:
-        """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""
-        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        return causal_mask(n, start, self.device)
 
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:

@@ -103,3 +103,21 @@ def test_bfloat16_batched_rows_are_plain_bf16_decoding():
     for decoder in (spec, plain):
         got = [g.token_ids for g in decoder.generate_many(jobs, max_new_tokens=32, temperature=0)]
         assert got == want
+
+
+def test_a_seeded_sampled_row_gives_the_same_tokens_alone_and_in_a_batch():
+    """bfloat16 (rows bit-identical whatever shares the batch), default prophets, temperature 1:
+    a sampled row's K comes from costs fixed for the request and its generator draws only
+    for its own draft, so alone or beside seven others it samples the same tokens."""
+    import torch
+
+    decoder = load(dtype=torch.bfloat16)
+    questions = ["Describe a cat to someone who has never seen one.", "What is the capital of France?",
+                 "Write a haiku about autumn.", "Explain photosynthesis briefly.",
+                 "Give me three tips for sleeping better.", "Why is the sky blue?",
+                 "Write a Python function that reverses a string.", "Summarize the plot of Romeo and Juliet."]
+    jobs = [{"messages": [{"role": "user", "content": q}], "seed": 10 + i} for i, q in enumerate(questions)]
+    together = decoder.generate_many(jobs, max_new_tokens=24, temperature=1.0)
+    alone = [decoder.generate_many([job], max_new_tokens=24, temperature=1.0)[0] for job in jobs]
+    assert [g.token_ids for g in alone] == [g.token_ids for g in together]
+    assert sum(g.stats.drafted for g in together) > 0

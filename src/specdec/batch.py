@@ -339,12 +339,12 @@ class FeatureBatchDrafter:
             sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary (q is 0 elsewhere)
             check_logits(sub, who)
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureDrafter.propose picks greedily
-            if sampled:
-                q = _probs_by_params(sub[sampled][:, None], [reqs[rows[i]] for i in sampled], who)[:, 0]  # (B_s, N)
-                for n, i in enumerate(sampled):
+            drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
+            if drawing:  # generator's draws never depend on how long the rows beside it draft
+                q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
+                for n, i in enumerate(drawing):
                     picked[i] = int(p.vocab_ids[sample(q[n], reqs[rows[i]].generator)])
-                    if k_rows[i] >= j:
-                        probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
+                    probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
             for i, b in enumerate(rows):
                 if k_rows[i] >= j:
                     tokens[b].append(picked[i])
@@ -453,6 +453,9 @@ class BatchEngine:
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
         self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
+        # The costs a sampled row's policy decides from, the same for every request whatever
+        # shares its steps (engine_for sets the decoder's stored costs; else one row's, measured)
+        self.row_costs: Costs | None = None
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
 
@@ -519,11 +522,19 @@ class BatchEngine:
         else:
             ks = [self._draft_budget(r, self.drafter.name) for r in active]
             if costs is not None and isinstance(self.drafter, ModelBatchDrafter):
-                ks = self._step_k(active, ks, costs)
+                ks = self._greedy_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
-            draft = draft.cut(self._step_k(active, [len(t) for t in draft.tokens], costs, draft.names))
+            lens = [len(t) for t in draft.tokens]
+            draft = draft.cut(self._greedy_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
         return draft
+
+    @staticmethod
+    def _greedy_cut(active: Sequence[Request], ks: Sequence[int], cut: Sequence[int]) -> list[int]:
+        """The step's common K applies to greedy rows only: a greedy row's tokens do not depend
+        on its K, a sampled row's draws do, so a sampled row keeps the K its own policy chose
+        from costs fixed for the request (`row_costs`), whatever shares the step."""
+        return [c if r.params.greedy else k for r, k, c in zip(active, ks, cut, strict=True)]
 
     def _invalid(self, req: Request) -> str | None:
         """Why a joining request cannot run here, or None."""
@@ -638,7 +649,13 @@ class BatchEngine:
         if bucket not in self._costs:
             self._costs[bucket] = self._measure(active, max(r.k for r in rows))
         for r in rows:
-            r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
+            if r.params.greedy:
+                r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
+            elif r.policy.costs is None:  # type: ignore[union-attr]
+                # A sampled row's K must not depend on the batch: costs fixed for the request.
+                if self.row_costs is None:
+                    self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
+                r.policy.costs = self.row_costs  # type: ignore[union-attr]
         return self._costs[bucket]
 
     def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 2) -> Costs:
@@ -782,6 +799,11 @@ def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
         drafter = FirstBatchDrafter(simple)
     engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
                          decoder.eos_token_ids, decoder.tokenizer)
+    if drafter is not None and decoder.policy.needs_costs:
+        # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
+        # tokens alone, in any batch, and in another process on this machine
+        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
+        engine.row_costs = decoder._costs
     cache[slots] = engine
     return engine
 

@@ -274,6 +274,9 @@ class MarkovBatch:
         self.vocab_size, self.max_length = lm.vocab_size, lm.max_length
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
 
+    def free(self, slot):  # a freed slot holds nothing: a row that trusted it would fail the assert below
+        self.tokens[slot] = []
+
     def forward(self, slots, starts, new_ids, n_logits):
         return self.forward_features(slots, starts, new_ids, n_logits)[0]
 

@@ -31,7 +31,7 @@ from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import FastLlamaLM, LlamaWeights, exact_attention, supports
+from specdec.fastllama import PREFILL_CHUNK, FastLlamaLM, LlamaWeights, exact_attention, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
@@ -47,6 +47,9 @@ class BatchLM(Protocol):
     @property
     def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
 
+    def free(self, slot: int) -> None:
+        """Return a slot's cache memory: its request has left."""
+        ...
 
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                 n_logits: Sequence[int]) -> torch.Tensor:
@@ -62,61 +65,76 @@ class BatchLM(Protocol):
 
 
 class BatchLlama(LlamaWeights):
-    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache slot per row."""
+    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache per slot.
 
-    INITIAL_CAPACITY = 256  # KV positions per slot allocated up front; grows by doubling
+    Each slot's cache is its own buffer (L, Hkv, T_s, hd), grown by doubling as its request
+    grows and freed when the request leaves (`free`): one long request costs the memory of
+    its own positions, never every slot's, and memory comes back when it ends. Each row
+    attends over its own buffer through `exact_attention` (the one-request path's), so a
+    row's scores never depend on the rows beside it."""
+
+    INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
 
     def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None) -> None:
         super().__init__(model, name, vocab_size)
         self.slots = slots
-        dtype = self.embed.dtype
-        shape = (len(self.layers), slots, self.n_kv, min(self.INITIAL_CAPACITY, self.max_length), self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)  # (L, S, Hkv, T, hd)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
+        self.v_slots: list[torch.Tensor | None] = [None] * slots
         self.forward_calls = 0
-        # As FastLlamaLM: in bfloat16 each row attends on its own, its scored tokens one by one,
-        # so a row scores exactly what the same request alone (or plain decoding) would.
+        # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
+        # scores exactly what the same request alone (or plain decoding) would.
         self.exact_rows = self.bucket_rows
+        # Leading (prompt) queries attend in chunks of this many positions, aligned to it
+        self.attention_chunk = PREFILL_CHUNK
 
-    def _reserve(self, end: int) -> None:
-        """Room for positions [0, end) in every slot: grow by doubling, keep what is written."""
-        capacity = self.k_cache.shape[3]
-        if end <= capacity:
-            return
-        size = min(self.max_length, max(end, 2 * capacity))
-        shape = (*self.k_cache.shape[:3], size, self.head_dim)
-        k, v = self.k_cache.new_zeros(shape), self.v_cache.new_zeros(shape)
-        k[:, :, :, :capacity], v[:, :, :, :capacity] = self.k_cache, self.v_cache
-        self.k_cache, self.v_cache = k, v
+    def position_bytes(self) -> int:
+        """Bytes of keys and values one position of one slot holds (all layers)."""
+        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
 
-    def _attention(self, i: int, h: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
-                   write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                   exact: Sequence[tuple[int, int, int, int]] = ()) -> torch.Tensor:
-        """h (B, n, D) at positions (B, n); write = (valid (B, n), slot (m,), position (m,)) of
-        the real (unpadded) tokens; mask (B, 1, n, T) True where a key is visible. exact: per
-        row (slot, start, new tokens, scored tokens) to attend each row on its own through
-        `exact_attention`, as a one-request pass does (bfloat16), instead of all rows at once."""
+    def kv_bytes(self) -> int:
+        """Bytes the slots' caches hold now."""
+        return sum(k.numel() * k.element_size() * 2 for k in self.k_slots if k is not None)
+
+    def free(self, slot: int) -> None:
+        """Return a slot's cache memory (its request has left)."""
+        self.k_slots[slot] = self.v_slots[slot] = None
+
+    def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
+        k_old, v_old = self.k_slots[slot], self.v_slots[slot]
+        capacity = 0 if k_old is None else k_old.shape[2]
+        if k_old is not None and v_old is not None and end <= capacity:
+            return k_old, v_old
+        size = min(self.max_length, max(end, 2 * capacity, min(self.INITIAL_CAPACITY, self.max_length)))
+        shape = (len(self.layers), self.n_kv, size, self.head_dim)
+        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
+        v = torch.zeros_like(k)
+        if k_old is not None and v_old is not None:
+            k[:, :, :capacity], v[:, :, :capacity] = k_old, v_old
+        self.k_slots[slot], self.v_slots[slot] = k, v
+        return k, v
+
+    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
+                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> torch.Tensor:
+        """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
+        tokens, scored tokens). Each row writes its new keys/values by position into its own
+        slot (entries past its committed length are stale, overwritten later) and attends
+        over them alone."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
         q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
         q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
         k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
-        valid, slot_of, pos_of = write
-        # Written by position: entries past a row's committed length are stale, overwritten later.
-        self.k_cache[i][slot_of, :, pos_of] = k.transpose(1, 2)[valid]  # (m, Hkv, hd)
-        self.v_cache[i][slot_of, :, pos_of] = v.view(n_rows, n, self.n_kv, hd)[valid]
+        v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
-        if exact:  # each row alone: its scores never depend on the rows beside it
-            out = torch.zeros_like(q)  # (B, Hq, n, hd); padded queries stay 0 and are discarded
-            for b, (slot, start, n_new, solo) in enumerate(exact):
-                out[b : b + 1, :, :n_new] = exact_attention(q[b : b + 1, :, :n_new], self.k_cache[i, slot][None],
-                                                            self.v_cache[i, slot][None], start,
-                                                            min(solo, n_new) if n_new > 1 else 0, gqa)
-        else:
-            end = mask.shape[-1]
-            keys, values = self.k_cache[i, rows, :, :end], self.v_cache[i, rows, :, :end]  # (B, Hkv, T, hd)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        out = torch.zeros_like(q)  # (B, Hq, n, hd); padded queries stay 0 and are discarded
+        for b, (keys, values, start, n_new, scored) in enumerate(rows):
+            keys[i, :, start : start + n_new] = k[b, :, :n_new]
+            values[i, :, start : start + n_new] = v[b, :, :n_new]
+            solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
+            out[b : b + 1, :, :n_new] = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None],
+                                                        start, solo, gqa, self.attention_chunk)
         return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
     @torch.inference_mode()
@@ -135,23 +153,14 @@ class BatchLlama(LlamaWeights):
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
         if end > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
-        self._reserve(end)
+        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored)
+                for slot, start, ids, scored in zip(slots, starts, new_ids, n_logits, strict=True)]
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
-        valid = torch.arange(n, device=device)[None, :] < lens[:, None]  # (B, n)
-        slot_t = torch.tensor(list(slots), device=device)
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
-        write = (valid, slot_t[:, None].expand(-1, n)[valid], positions[valid])
-        # Query j of row b sees keys 0..start_b + j of its slot: its cache and its own new tokens.
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, n, T)
-        s0 = int(slot_t[0])
-        contiguous = bool((slot_t == torch.arange(s0, s0 + len(slots), device=device)).all())
-        rows: torch.Tensor | slice = slice(s0, s0 + len(slots)) if contiguous else slot_t  # a view, not a copy
         x = self.embed[ids]  # (B, n, D)
-        exact = [(int(s), st, len(r), k) for s, st, r, k in zip(slots, starts, new_ids, n_logits, strict=True)] \
-            if self.exact_rows else []
         for i, w in enumerate(self.layers):
-            x = x + self._attention(i, self._norm(x, w["in_norm"]), rows, positions, write, mask, exact)
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
             gate, up = self._mm(self._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
             x = x + self._mm(F.silu(gate) * up, w["down"])
         self.forward_calls += 1
@@ -423,13 +432,35 @@ def _slot(req: Request) -> int:
     return req.slot
 
 
-def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str) -> None:
-    """Feed each new row's prompt but its last token, so that later steps feed few tokens per row."""
-    rows = [r for r in reqs if len(r.prompt) > 1]
-    if rows:
-        lm.forward([_slot(r) for r in rows], [0] * len(rows), [r.prompt[:-1] for r in rows], [0] * len(rows))
-    for r in rows:
-        setattr(r, attr, len(r.prompt) - 1)
+def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str, budget: int | None = None) -> None:
+    """Feed rows' prompts but their last token (later steps then feed few tokens per row), one
+    chunk per row per call: from where the row is (`attr`: its cached length) to the next
+    multiple of `budget` positions, for rows in order while the chunks fit `budget` tokens
+    in all (at least one row). budget None: every row's whole prompt at once."""
+    while True:
+        feeds: list[tuple[Request, int, int]] = []
+        used = 0
+        for r in reqs:
+            done, end = getattr(r, attr), len(r.prompt) - 1
+            if done >= end:
+                continue
+            stop = end if budget is None else min(end, (done // budget + 1) * budget)
+            if feeds and budget is not None and used + stop - done > budget:
+                break
+            feeds.append((r, done, stop))
+            used += stop - done
+        if not feeds:
+            return
+        lm.forward([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
+                   [0] * len(feeds))
+        for r, _, b in feeds:
+            setattr(r, attr, b)
+        if budget is not None:
+            return
+
+
+def _prefilled(req: Request, attr: str) -> bool:
+    return bool(getattr(req, attr) >= len(req.prompt) - 1)
 
 
 def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
@@ -450,6 +481,7 @@ class BatchEngine:
                                                         or drafter.lm.slots != target.slots):
             raise ValueError("the drafter must score the target's vocabulary and have as many slots")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
         self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
@@ -467,8 +499,14 @@ class BatchEngine:
         active = [r for r in active if not r.done]
         if not active:
             return refused
-        # 1. Join: new rows take a free cache slot and prefill their prompts.
+        # 1. Join: new rows take a free cache slot; prompts are prefilled a chunk per step
+        #    (`prefill_chunk` tokens at most), so a long prompt never stalls the running rows
+        #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
         self._admit(active)
+        _prefill(self.target, active, "target_cached", self.prefill_chunk)
+        active = [r for r in active if _prefilled(r, "target_cached")]
+        if not active:
+            return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
         #    padded to the longest feed, so with auto rows one K for the step is chosen from
         #    the rows' drafts (prompt lookup: after proposing, it is free; a model: before).
@@ -551,13 +589,30 @@ class BatchEngine:
         req.finish_reason, req.error = "error", why
         return StepEvent(req, [], 0, -1, "error", [], "error")
 
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """At most `tokens` prompt tokens prefilled per step (at least one row's chunk): the
+        longest a running row waits for a joining long prompt. The target's leading queries
+        attend in blocks of the same size, so chunked and whole prefills round alike."""
+        if tokens < 1:
+            raise ValueError("the prefill chunk must be >= 1 token")
+        self.prefill_chunk = tokens
+        if isinstance(self.target, BatchLlama):
+            self.target.attention_chunk = tokens
+
     def release(self, req: Request) -> None:
-        """Free the cache slot of a request that leaves before it is done (cancelled, or
-        ended by a stop string outside the engine). Safe to call on any request."""
-        if req.slot is not None:
-            self._free.append(req.slot)
-            req.slot = None
+        """Free the cache slot (and its memory) of a request that leaves before it is done
+        (cancelled, or ended by a stop string outside the engine). Safe to call on any request."""
+        self._free_slot(req)
         req.target_cached = req.draft_cached = 0
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot is None:
+            return
+        self.target.free(req.slot)
+        if isinstance(self.drafter, ModelBatchDrafter):
+            self.drafter.lm.free(req.slot)
+        self._free.append(req.slot)
+        req.slot = None
 
     def _admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]
@@ -569,8 +624,7 @@ class BatchEngine:
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, 0
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
-        _prefill(self.target, new, "target_cached")
-        if self.drafter is not None:
+        if self.drafter is not None:  # a drafter's own model is small: its prompt goes in at once
             self.drafter.prefill([r for r in new if r.k > 0])
 
     def _draft_budget(self, req: Request, prophet: str | None = None) -> int:
@@ -625,6 +679,7 @@ class BatchEngine:
             if size not in self._costs and len(self._free) >= size:
                 rows = [Request([0] * prompt_len, 1, SamplingParams(0.0), k_max) for _ in range(size)]
                 self._admit(rows)
+                _prefill(self.target, rows, "target_cached")
                 try:
                     self._costs[size] = self._measure(rows, k_max)
                 finally:
@@ -686,9 +741,8 @@ class BatchEngine:
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = min(req.draft_cached, before + n_accepted)
-        if req.done and req.slot is not None:
-            self._free.append(req.slot)
-            req.slot = None
+        if req.done:
+            self._free_slot(req)
         return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],
                          req.finish_reason, prophet if drafted else None)
 

@@ -96,19 +96,29 @@ def causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor | None
     return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
+PREFILL_CHUNK = 256  # prompt tokens per prefill step; leading queries attend in blocks of this size
+
+
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
-                    gqa: bool) -> torch.Tensor:
+                    gqa: bool, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
-    cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries together under a
-    causal mask, then each of the last `solo` queries alone, exactly as a one-token step
-    attends (in bfloat16 attention over several queries at once rounds differently). Every
-    lean path (FastLlamaLM, each row of BatchLlama) attends through here, so a row's scores
-    never depend on how many tokens or rows share its pass. Returns (1, Hq, n, hd)."""
+    cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries under a causal
+    mask, in blocks that end at multiples of `chunk` positions (a long prompt never builds an
+    n x n score matrix, and a prompt fed whole or in aligned chunks attends alike), then each of
+    the last `solo` queries alone, exactly as a one-token step attends (in bfloat16 attention
+    over several queries at once rounds differently). Every lean path (FastLlamaLM, each row
+    of BatchLlama) attends through here, so a row's scores never depend on how many tokens or
+    rows share its pass. Returns (1, Hq, n, hd)."""
     n = q.shape[2]
     lead = n - solo
-    parts = [F.scaled_dot_product_attention(q[:, :, :lead], keys[:, :, :start + lead], values[:, :, :start + lead],
-                                            attn_mask=causal_mask(lead, start, q.device), enable_gqa=gqa)] \
-        if lead else []
+    parts = []
+    a = 0
+    while a < lead:  # block [a, b) of the leading queries, b at the next multiple of chunk
+        b = min(lead, (start + a) // chunk * chunk + chunk - start)
+        parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b], values[:, :, :start + b],
+                                                    attn_mask=causal_mask(b - a, start + a, q.device),
+                                                    enable_gqa=gqa))
+        a = b
     parts += [F.scaled_dot_product_attention(q[:, :, j:j + 1], keys[:, :, :start + j + 1],
                                              values[:, :, :start + j + 1], enable_gqa=gqa) for j in range(lead, n)]
     return torch.cat(parts, dim=2)
@@ -275,8 +285,8 @@ class FastLlamaLM(LlamaWeights):
 
     def _attention(self, i: int, h: torch.Tensor, start: int, positions: torch.Tensor,
                    mask: torch.Tensor | None, solo: int = 0) -> torch.Tensor:
-        """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) or None = causal.
-        solo > 0 (causal passes only): see `exact_attention` (mask is then ignored)."""
+        """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) for a token
+        tree, or None: causal, through `exact_attention` (solo: its last rows attending alone)."""
         n, hd = h.shape[0], self.head_dim
         w = self.layers[i]
         qkv = self._linear(h, w, "qkv")  # (n, (Hq + 2 Hkv) hd)
@@ -289,7 +299,7 @@ class FastLlamaLM(LlamaWeights):
         self.k_cache[i, :, start:end] = k
         self.v_cache[i, :, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
         keys, values, gqa = self.k_cache[i][None], self.v_cache[i][None], self.n_kv != self.n_heads
-        if not solo:
+        if mask is not None:  # a token tree: each node sees its ancestors
             out = F.scaled_dot_product_attention(q[None], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                                                  enable_gqa=gqa)[0]
         else:
@@ -320,16 +330,12 @@ class FastLlamaLM(LlamaWeights):
             return self._linear(self.last_hidden, self._head_q, "head").float()
         return self._mm(self.last_hidden, self.lm_head).float()
 
-    def _causal(self, n: int, start: int) -> torch.Tensor | None:
-        return causal_mask(n, start, self.device)
-
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
         start, n = len(self.tokens), len(new_ids)
-        solo = n_logits if self.exact_rows else 0  # then _run builds the leading rows' mask itself
-        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device),
-                           None if solo else self._causal(n, start), n_logits, solo=solo)
+        solo = n_logits if self.exact_rows else 0
+        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, n_logits, solo=solo)
         self.tokens.extend(new_ids)
         return logits
 
@@ -351,7 +357,7 @@ class FastLlamaLM(LlamaWeights):
         logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
         tokens, where the next full pass overwrites them: nothing to roll back."""
         start, n = len(self.tokens), len(new_ids)
-        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start), 1,
+        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, 1,
                            layers)
         self.tokens.extend(new_ids)  # provisional: end_early_exit truncates back before verification
         return logits[0]
@@ -361,7 +367,7 @@ class FastLlamaLM(LlamaWeights):
         """As early_exit, but what the head would read instead of logits: the final norm of
         the first `layers` layers' output, (n_last, D) for the last n_last new ids."""
         start, n = len(self.tokens), len(new_ids)
-        out = self._run(new_ids, torch.arange(start, start + n, device=self.device), self._causal(n, start), n_last,
+        out = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, n_last,
                         layers, head=False)
         self.tokens.extend(new_ids)
         return out.float()

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
+from specdec.fastllama import PREFILL_CHUNK
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
@@ -58,12 +59,13 @@ class ServerConfig:
     max_draft_tokens: int = 16  # largest specdec.draft_tokens a request may ask for
     batched: bool = True  # continuous batching where the prophet has a batched path (else round-robin)
     warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens prefilled per batched step: the longest stall of a stream
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics()
-    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched)
+    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched, config.prefill_chunk)
     tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once
 
     @asynccontextmanager

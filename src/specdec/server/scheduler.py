@@ -193,14 +193,18 @@ def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
 
 class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, metrics: ServerMetrics, max_batch: int = 8,
-                 max_queue: int = 256, batched: bool = True) -> None:
+                 max_queue: int = 256, batched: bool = True, prefill_chunk: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
         self.decoder, self.metrics = decoder, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         self.default_k = decoder.policy.k0
         # The batched engine where the prophet has a batched path; else round-robin.
         self.engine: BatchEngine | None = engine_for(decoder, max_batch) if batched else None
+        if self.engine is not None and prefill_chunk is not None:
+            self.engine.set_prefill_chunk(prefill_chunk)
         self.mode = "batched" if self.engine is not None else "round-robin"
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []

@@ -1,0 +1,59 @@
+"""The batched cache is bounded by what its requests hold: each slot grows with its own
+request and gives its memory back when the request leaves; long prompts are prefilled a
+chunk per step, so the rows already running keep getting tokens meanwhile."""
+
+import pytest
+import torch
+
+from specdec import load
+from specdec.api import batch_engine
+from specdec.batch import BatchLlama, Request
+from specdec.sampling import SamplingParams
+from tests.test_batch import smollm2_shaped
+
+
+def test_a_long_request_holds_only_its_own_slot_and_gives_it_back():
+    model = smollm2_shaped()
+    lm = BatchLlama(model, "b", slots=8)
+    assert lm.kv_bytes() == 0
+    lm.forward([3], [0], [list(range(1, 97)) + [5] * 20], [1])  # 116 positions in slot 3
+    lm.forward([5], [0], [[1, 2, 3]], [1])
+    assert [k is None for k in lm.k_slots] == [True, True, True, False, True, False, True, True]
+    assert lm.kv_bytes() == lm.position_bytes() * (lm.k_slots[3].shape[2] + lm.k_slots[5].shape[2])
+    lm.free(3)
+    assert lm.k_slots[3] is None and lm.kv_bytes() == lm.position_bytes() * lm.k_slots[5].shape[2]
+
+
+def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    engine.generate([list(range(1, 200)), [1, 2, 3]], max_new_tokens=6, temperature=0)
+    assert engine.target.kv_bytes() == 0 and engine.drafter.lm.kv_bytes() == 0
+    req = Request([1, 2, 3, 4], 50, SamplingParams(0.0), 2)
+    engine.step([req])
+    assert engine.target.kv_bytes() > 0
+    engine.release(req)  # a cancelled request
+    assert engine.target.kv_bytes() == 0 and engine.drafter.lm.kv_bytes() == 0
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "close"])
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_running_rows_decode(tiny_pair, draft):
+    engine = batch_engine(tiny_pair["target"], tiny_pair.get(draft, draft) if draft != "none" else None, slots=4,
+                          draft_dtype=torch.float32)
+    engine.set_prefill_chunk(8)
+    plain = load(tiny_pair["target"], draft="none")
+    running = [Request([1, 2, 3, 4, 5], 40, SamplingParams(0.0), 3), Request([7, 8, 9], 40, SamplingParams(0.0), 3)]
+    for _ in range(3):
+        engine.step(running)
+    long = Request([(7 * i) % 150 + 3 for i in range(90)], 6, SamplingParams(0.0), 3)
+    steps_until_joined = 0
+    while not long.generated:
+        events = engine.step([*running, long])
+        rows = {id(e.request) for e in events}
+        assert all(id(r) in rows for r in running if not r.done)  # the running rows went on every step
+        steps_until_joined += 1
+    assert steps_until_joined == 90 // 8 + 1  # 89 prompt tokens, 8 a step; the last one decoded with its row
+    while not all(r.done for r in [*running, long]):
+        engine.step([*running, long])
+    for r in [*running, long]:  # greedy: each row is plain decoding of its prompt alone
+        want = plain.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
+        assert r.generated == want.token_ids

@@ -57,3 +57,40 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_running_rows_decode(t
     for r in [*running, long]:  # greedy: each row is plain decoding of its prompt alone
         want = plain.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
         assert r.generated == want.token_ids
+
+
+def test_the_server_admits_by_kv_memory_and_refuses_what_can_never_fit(tiny_pair):
+    import threading
+
+    import httpx
+
+    from specdec.server import ServerConfig, create_app
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.scheduler import Job, Scheduler
+    from tests.server_fixtures import serve_in_thread
+
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=3)
+    probe = Scheduler(decoder, ServerMetrics(), max_batch=4)
+    one = probe.kv_need(Job(ids=[1] * 10, max_tokens=40))
+    assert one > 0
+    small = ServerConfig(max_batch=4, kv_memory=one - 1, warm_up=False)
+    with serve_in_thread(create_app(decoder, "tiny", small)) as url, httpx.Client(base_url=url, timeout=60) as c:
+        too_big = c.post("/v1/completions", json={"prompt": [1] * 10, "max_tokens": 40})
+        assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "--kv-memory" in too_big.json()["error"]["message"]
+    config = ServerConfig(max_batch=4, kv_memory=one + one // 2, warm_up=False)  # room for one such request
+    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=60) as c:
+        answers = {}
+
+        def ask(i):
+            body = {"prompt": [1 + i] * 10, "max_tokens": 40, "temperature": 0}
+            answers[i] = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        plain = decoder.plain()
+        for i in range(3):  # each waited its turn and ran to its answer
+            assert answers[i] == plain.generate([1 + i] * 10, max_new_tokens=40, temperature=0).text

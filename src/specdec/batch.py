@@ -105,7 +105,9 @@ class BatchLlama(LlamaWeights):
         capacity = 0 if k_old is None else k_old.shape[2]
         if k_old is not None and v_old is not None and end <= capacity:
             return k_old, v_old
-        size = min(self.max_length, max(end, 2 * capacity, min(self.INITIAL_CAPACITY, self.max_length)))
+        size = max(capacity, min(self.INITIAL_CAPACITY, self.max_length))
+        while size < end:  # doubling from the initial capacity: what Scheduler.kv_need reserves
+            size = min(self.max_length, 2 * size)
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
         k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
         v = torch.zeros_like(k)

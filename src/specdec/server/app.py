@@ -39,7 +39,7 @@ from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, BodyLimit
-from specdec.server.scheduler import End, Job, JobStream, QueueFull, Round, Scheduler, ShuttingDown
+from specdec.server.scheduler import End, Job, JobStream, NeverFits, QueueFull, Round, Scheduler, ShuttingDown
 from specdec.server.schemas import ChatRequest, CompletionRequest, SpecdecOptions, _Sampling
 from specdec.stats import summarize
 
@@ -60,12 +60,14 @@ class ServerConfig:
     batched: bool = True  # continuous batching where the prophet has a batched path (else round-robin)
     warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens prefilled per batched step: the longest stall of a stream
+    kv_memory: int | None = None  # bytes of batched KV cache requests may reserve (None: half of MemAvailable)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics()
-    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched, config.prefill_chunk)
+    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched, config.prefill_chunk,
+                          config.kv_memory)
     tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once
 
     @asynccontextmanager
@@ -149,6 +151,12 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
                                 f"{decoder.target.max_length} tokens: shorten it", param, "context_length_exceeded")
 
+    def check_memory(job: Job) -> None:
+        try:
+            scheduler.check_fits(job)
+        except NeverFits as e:
+            raise ApiError(400, str(e), "max_tokens", "kv_memory_exceeded") from None
+
     def encode_prompt(prompt: str | list[str] | list[int]) -> list[int]:
         if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
             ids = [int(p) for p in prompt]
@@ -228,6 +236,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         check_context(ids, "prompt")
         job = settings(body, body.max_tokens, len(ids), "completions")
         job.ids = ids
+        check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return await run(request, job, False, usage, body.stream)
 
@@ -238,6 +247,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         check_context(ids, "messages")
         job = settings(body, body.max_completion_tokens or body.max_tokens, len(ids), "chat")
         job.ids = ids
+        check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return await run(request, job, True, usage, body.stream)
 

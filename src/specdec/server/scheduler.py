@@ -169,6 +169,31 @@ class _Row:
     decoded: int = 0  # characters of its text after the previous step (where stop search resumes)
     tokens: int = 0
     text: IncrementalText | None = None  # its answer's text, decoded incrementally
+    kv_bytes: int = 0  # the cache memory reserved for it (see Scheduler.kv_need)
+
+
+class NeverFits(ValueError):
+    """A request whose KV cache could never fit the server's memory budget (a 400)."""
+
+
+def default_kv_memory() -> int:
+    """Half of the memory this machine has available now (MemAvailable), or 4 GiB where it
+    cannot be read: the batched cache's budget when the operator sets none."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 // 2
+    except (OSError, StopIteration, ValueError):
+        return 4 << 30
+
+
+def slot_capacity(positions: int, lm: Any) -> int:
+    """Positions a slot's buffer holds once it has grown to `positions` (doubling from the
+    initial capacity, at most the context)."""
+    capacity = min(lm.INITIAL_CAPACITY, lm.max_length)
+    while capacity < positions and capacity < lm.max_length:
+        capacity = min(lm.max_length, 2 * capacity)
+    return capacity
 
 
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
@@ -193,7 +218,8 @@ def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
 
 class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, metrics: ServerMetrics, max_batch: int = 8,
-                 max_queue: int = 256, batched: bool = True, prefill_chunk: int | None = None) -> None:
+                 max_queue: int = 256, batched: bool = True, prefill_chunk: int | None = None,
+                 kv_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -205,6 +231,9 @@ class Scheduler:
         self.engine: BatchEngine | None = engine_for(decoder, max_batch) if batched else None
         if self.engine is not None and prefill_chunk is not None:
             self.engine.set_prefill_chunk(prefill_chunk)
+        # The batched cache's memory budget: rows join while their reserved caches fit it
+        self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
+        self._kv_reserved = 0
         self.mode = "batched" if self.engine is not None else "round-robin"
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
@@ -227,6 +256,28 @@ class Scheduler:
         took = time.perf_counter() - t0
         log.info("measured the batched step's costs at batch sizes up to %d in %.1fs", self.max_batch, took)
         return took
+
+    def kv_need(self, job: Job) -> int:
+        """Bytes of KV cache a job may come to hold on the batched engine: every position it
+        can reach (prompt, answer and a round's draft), as the slot's buffer grows by doubling,
+        in the target and a draft model. 0 off the batched engine."""
+        if self.engine is None:
+            return 0
+        k = 0 if job.plain else job.draft_tokens or self.default_k
+        positions = len(job.ids) + job.max_tokens + k + 1
+        models = [self.engine.target]
+        if isinstance(self.engine.drafter, ModelBatchDrafter):
+            models.append(self.engine.drafter.lm)
+        return sum(lm.position_bytes() * slot_capacity(positions, lm) for lm in models  # type: ignore[attr-defined]
+                   if hasattr(lm, "position_bytes"))
+
+    def check_fits(self, job: Job) -> None:
+        """Raise NeverFits when a job's cache could never fit the memory budget."""
+        need = self.kv_need(job)
+        if need > self.kv_memory:
+            raise NeverFits(f"this request may need {need / 2**20:,.0f} MiB of KV cache (prompt {len(job.ids)} "
+                            f"tokens + max_tokens {job.max_tokens}) but the server's budget is "
+                            f"{self.kv_memory / 2**20:,.0f} MiB (--kv-memory): ask for fewer tokens")
 
     # ----------------------------------------------------------------- client side
     def submit(self, job: Job) -> JobStream:
@@ -395,6 +446,9 @@ class Scheduler:
         engine cache slot at their first step."""
         self._expire_queued()
         while self._pending and len(self._rows) < self.max_batch:
+            need = self.kv_need(self._pending[0].job)
+            if self._rows and self._kv_reserved + need > self.kv_memory:
+                break  # it waits (first come, first served) until running rows free enough memory
             stream = self._pending.popleft()
             job = stream.job
             k = 0 if job.plain or self.engine is None or self.engine.drafter is None else \
@@ -408,7 +462,8 @@ class Scheduler:
                 continue
             stream.started = time.monotonic()
             self.metrics.queue_wait.observe(stream.started - stream.arrived)
-            self._rows.append(_Row(stream, req, time.perf_counter()))
+            self._rows.append(_Row(stream, req, time.perf_counter(), kv_bytes=need))
+            self._kv_reserved += need
         self.metrics.queue_depth.set(len(self._pending))
         self.metrics.batch_size.set(len(self._rows))
 
@@ -501,6 +556,7 @@ class Scheduler:
         engine.release(row.request)
         with self._cond:
             self._rows.remove(row)
+            self._kv_reserved -= row.kv_bytes
             self.metrics.batch_size.set(len(self._rows))
         self._end(row.stream, end)
 

@@ -295,10 +295,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_draft_tokens=args.max_draft_tokens)
     if config.max_batch < 1 or config.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.replicas is not None or args.autoscale is not None or args.address is not None:
+        return _serve_replicas(args, config)
     decoder = _load(args)
     uvicorn.run(create_app(decoder, args.model_name, config), host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace, config: Any) -> int:
+    """`serve` as a Ray Serve application (only here is ray imported)."""
+    if args.cpus_per_replica <= 0 or args.gpus_per_replica < 0:
+        raise SpecdecError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
+    if args.gpus_per_replica > 0 and args.device == "cpu":
+        raise SpecdecError("--gpus-per-replica: also give --device cuda (or auto), or the replicas decode on the CPU")
+    from specdec.server.replicas import ReplicaSpec, parse_scale, run_replicas
+
+    scale = parse_scale(args.replicas, args.autoscale)
+    spec = ReplicaSpec(load=dict(target=args.target, draft=args.draft, policy=args.policy,
+                                 draft_tokens=args.draft_tokens, dtype=args.dtype, multi=args.multi,
+                                 trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
+                                 backend=args.backend, device=args.device),
+                       model_name=args.model_name, config=config, threads=max(1, round(args.cpus_per_replica)))
+    return int(run_replicas(spec, scale, address=args.address, host=args.host, port=args.port,
+                            cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                            shutdown_timeout_s=args.shutdown_timeout))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -399,6 +420,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the largest specdec.draft_tokens a request may ask")
     sv.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds open requests get to finish after SIGTERM before they are cut off")
+    ray_opts = sv.add_argument_group("replicas (Ray Serve; pip install 'specdec[ray]')")
+    ray_opts.add_argument("--replicas", type=int, default=None, metavar="N",
+                          help="serve the same API from N replica processes, each with its own decoder and "
+                               "continuous batching, as a Ray Serve application")
+    ray_opts.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                          help="like --replicas, with Ray Serve adding and removing replicas between MIN and MAX "
+                               "with the load (a replica's target is --max-batch requests at once)")
+    ray_opts.add_argument("--address", default=None, metavar="ADDR",
+                          help="the Ray cluster to run on: auto (the one `ray start` began on this machine) or "
+                               "HEAD:6379; default with --replicas/--autoscale: a one-node cluster started here")
+    ray_opts.add_argument("--cpus-per-replica", type=float, default=1.0,
+                          help="CPUs Ray reserves for each replica; also its torch threads (default 1)")
+    ray_opts.add_argument("--gpus-per-replica", type=float, default=0.0,
+                          help="GPUs Ray reserves for each replica (with --device cuda; fractions share a GPU)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="side-by-side speed report against plain decoding and Hugging Face")

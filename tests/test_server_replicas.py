@@ -99,8 +99,9 @@ def cluster(expected):
     from specdec.server.app import ServerConfig
     from specdec.server.replicas import APP_NAME, ReplicaSpec, Scale, application
 
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray process on loopback
     ray.init(num_cpus=2, object_store_memory=100 * 1024 ** 2, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
+             log_to_driver=False, _node_ip_address="127.0.0.1")  # loopback only
     try:
         port = free_port()
         quiet = {"log_level": "WARNING", "enable_access_log": False}

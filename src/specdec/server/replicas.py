@@ -446,7 +446,10 @@ def run_replicas(spec: ReplicaSpec, scale: Scale, *, address: str | None, host: 
     count = scale.autoscale[1] if scale.autoscale else (scale.replicas or 1)
     init: dict[str, Any] = dict(logging_level=logging.WARNING)
     if local:  # a one-node cluster of this machine, with room for the replicas that were asked for
-        init.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, math.ceil(count * cpus_per_replica)))
+        # Every Ray process of a local cluster (agents included) on loopback, not the host's address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        init.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, math.ceil(count * cpus_per_replica)),
+                    _node_ip_address="127.0.0.1")  # a local cluster talks over loopback only
     # The Ray processes started here inherit an ignored SIGINT, so that Ctrl-C in a terminal
     # (sent to the whole process group) stops this process, which then stops them in order.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)

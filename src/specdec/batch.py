@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round, median_seconds
-from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
+from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import PREFILL_CHUNK, FastLlamaLM, LlamaWeights, exact_attention, supports
+from specdec.fastllama import FastLlamaLM, LlamaWeights, exact_attention, supports
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample

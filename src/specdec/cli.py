@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specdec.defaults import MAX_NEW_TOKENS, SAMPLING_RULE, TEMPERATURE, TOP_P
+from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SAMPLING_RULE, TEMPERATURE, TOP_P
 from specdec.errors import SpecdecError
 
 
@@ -68,6 +68,10 @@ def _print_json(doc: Any) -> None:
     out = _JSON_OUT[-1] if _JSON_OUT else sys.stdout
     out.write(json.dumps(doc) + "\n")
     out.flush()
+
+
+def _mebibytes(mib: float | None) -> int | None:
+    return None if mib is None else int(mib * 2**20)
 
 
 def _dtype(name: str) -> Any:
@@ -292,9 +296,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
                           max_batch=args.max_batch, max_queue=args.max_queue, timeout_s=args.timeout or None,
                           max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                          max_draft_tokens=args.max_draft_tokens)
+                          max_draft_tokens=args.max_draft_tokens, prefill_chunk=args.prefill_chunk,
+                          kv_memory=_mebibytes(args.kv_memory))
     if config.max_batch < 1 or config.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+    if config.prefill_chunk < 1 or (config.kv_memory is not None and config.kv_memory < 1):
+        raise ValueError("--prefill-chunk and --kv-memory must be >= 1")
     if args.replicas is not None or args.autoscale is not None or args.address is not None:
         return _serve_replicas(args, config)
     decoder = _load(args)
@@ -420,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the largest specdec.draft_tokens a request may ask")
     sv.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds open requests get to finish after SIGTERM before they are cut off")
+    sv.add_argument("--kv-memory", type=float, default=None, metavar="MIB",
+                    help="MiB of KV cache the batched requests may reserve together (each reserves what its prompt "
+                         "and max_tokens can reach; more wait; one that could never fit gets a 400); default: half "
+                         "of the memory available at startup")
+    sv.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="TOKENS",
+                    help=f"prompt tokens prefilled per batched step, between the running rows' steps: the longest "
+                         f"a stream waits for a joining prompt (default {PREFILL_CHUNK})")
     ray_opts = sv.add_argument_group("replicas (Ray Serve; pip install 'specdec[ray]')")
     ray_opts.add_argument("--replicas", type=int, default=None, metavar="N",
                           help="serve the same API from N replica processes, each with its own decoder and "

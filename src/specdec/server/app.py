@@ -32,9 +32,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P, display_name
+from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
-from specdec.fastllama import PREFILL_CHUNK
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics

@@ -35,7 +35,16 @@ def test_check_passes_for_a_correct_pair(tiny_pair, capsys):
     code = main(["check", "--target", tiny_pair["target"], "--draft", tiny_pair["close"], "--samples", "150",
                  "--tokens", "2", "--temperature", "1.0", "--prompt", "def ", "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert code == 0 and d["passed"] and 0 <= d["p_value"] <= 1
+    assert code == 0 and d["passed"] and 0 <= d["p_value"] <= 1 and d["drafted"] > 0
+
+
+def test_a_check_in_which_nothing_was_drafted_is_inconclusive(tiny_pair, capsys):
+    """One-token continuations leave no room for a draft: speculation was plain decoding, and
+    a certificate of plain against plain says nothing about the prophet."""
+    code = main(["check", "--target", tiny_pair["target"], "--draft", tiny_pair["close"], "--samples", "40",
+                 "--tokens", "1", "--prompt", "def "])
+    out = capsys.readouterr().out
+    assert code == 1 and "INCONCLUSIVE: nothing was drafted" in out
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -24,13 +24,14 @@ class CheckReport:
     distinct_plain: int
     acceptance_rate: float
     settings: dict[str, Any]
+    drafted: int = 0  # tokens the prophets proposed in all the speculative samples (0: nothing was tested)
 
     def to_dict(self) -> dict[str, Any]:
         r = self.result
         return {"statistic": r.statistic, "dof": r.dof, "p_value": r.p_value, "alpha": r.alpha,
                 "passed": r.passed, "verdict": r.verdict, "samples": r.n_a, "tokens": self.tokens,
                 "distinct_speculative": self.distinct_spec, "distinct_plain": self.distinct_plain,
-                "acceptance_rate": self.acceptance_rate, "settings": self.settings}
+                "acceptance_rate": self.acceptance_rate, "drafted": self.drafted, "settings": self.settings}
 
 
 def certify(spec: SpeculativeDecoder, plain: SpeculativeDecoder, prompt: str | list[int], tokens: int = 3,
@@ -57,4 +58,4 @@ def certify(spec: SpeculativeDecoder, plain: SpeculativeDecoder, prompt: str | l
             progress(idx[-1] + 1)
     result = two_sample(a, b, alpha)
     return CheckReport(result, tokens, len(a), len(b), accepted / drafted if drafted else 0.0,
-                       dict(settings, prompt=prompt if isinstance(prompt, str) else list(prompt)))
+                       dict(settings, prompt=prompt if isinstance(prompt, str) else list(prompt)), drafted)

@@ -230,8 +230,11 @@ def cmd_check(args: argparse.Namespace) -> int:
                          seed=args.seed or 0, progress=lambda n: bar.update(task, completed=n),
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     r = report.result
+    vacuous = report.drafted == 0  # then speculation was plain decoding: the test compared it with itself
+    why = (f"nothing was drafted in {r.n_a} samples of {args.tokens} tokens, so the test compared plain "
+           "decoding with itself: use more --tokens (a feature prophet drafts from the second round on)")
     if args.json:
-        _print_json(report.to_dict())
+        _print_json(report.to_dict() | ({"inconclusive": why} if vacuous else {}))
     else:
         print(f"samples: {r.n_a} speculative, {r.n_b} plain; {args.tokens} tokens each; "
               f"distinct continuations {report.distinct_spec} / {report.distinct_plain}; "
@@ -241,7 +244,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if r.dof < 5:
             print(f"warning: only {r.dof + 1} cells after pooling rare continuations, so the test has little "
                   "power; use fewer --tokens, more --samples or a more predictable --prompt")
-    return 0 if r.passed else 1
+        if vacuous:
+            print(f"INCONCLUSIVE: {why}")
+    return 0 if r.passed and not vacuous else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -371,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.add_argument("--prompt", default="import os\nimport sys\nimport ",
                    help="a prompt whose continuations repeat often enough to fill the test's cells")
-    c.add_argument("--tokens", type=int, default=2, help="length of each sampled continuation")
+    c.add_argument("--tokens", type=int, default=3,
+                   help="length of each sampled continuation (at least 3 for a feature prophet to draft)")
     c.add_argument("--samples", type=int, default=600, help="continuations sampled each way")
     c.add_argument("--alpha", type=float, default=0.001, help="significance level")
     c.add_argument("--json", action="store_true", help="print one JSON document on stdout and nothing else")

@@ -12,7 +12,9 @@ Plain decoding is the same loop with no drafter: every round is one target step.
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +150,11 @@ class SpeculativeDecoder:
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
         self._feature_readers = [d for d in self.drafters if d.reads_features]
+        # A request owns the state it runs on: the first runs on this decoder's own caches;
+        # one that starts while another is still running (an interleaved stream, another
+        # thread) runs on a view of its own (`for_request`: same weights, fresh caches).
+        self._busy = False
+        self._busy_lock = threading.Lock()
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
                              f"'{self._feature_readers[0].name}' drafts from")
@@ -168,11 +175,38 @@ class SpeculativeDecoder:
                  prophets: Sequence[str] | None = None, policy: str | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         prompt = self._chat_or_prompt(prompt, messages)
-        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
-                          prophets, policy)
-        events = list(self._rounds(req, release_text=False))
-        return Generation(self._final_text(req), list(req.generated), req.context[: req.n_prompt],
+        runner = self._claim()
+        try:
+            req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
+                                stop, prophets, policy)
+            events = list(runner._rounds(req, release_text=False))
+        finally:
+            self._release(runner)
+        return Generation(runner._final_text(req), list(req.generated), req.context[: req.n_prompt],
                           req.finish_reason or "length", events, summarize(events))
+
+    def _claim(self) -> SpeculativeDecoder:
+        """The decoder a new request runs on: this one if no request is running on it, else a
+        view of its own (same weights, fresh caches, the same stored costs)."""
+        with self._busy_lock:
+            if not self._busy:
+                self._busy = True
+                return self
+        return self.for_request()
+
+    def _release(self, runner: SpeculativeDecoder) -> None:
+        if runner is self:
+            with self._busy_lock:
+                self._busy = False
+
+    def for_request(self) -> SpeculativeDecoder:
+        """A decoder over the same weights with state of its own (target cache, prophet
+        state, policy), for a request that runs beside others."""
+        target = self.target.fresh()
+        other = SpeculativeDecoder(target, [d.for_request(target) for d in self.drafters], self.tokenizer,
+                                   copy.deepcopy(self.policy), self.multi, self.eos_token_ids)
+        other._costs = self._costs
+        return other
 
     def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]], max_batch: int = 16,
                       **settings: Any) -> list[Generation]:
@@ -210,9 +244,13 @@ class SpeculativeDecoder:
         these of the loaded prophets draft for this request (by name; None: all). `policy`: a
         K policy of another kind for this request ("auto", "fixed", ...; None: the decoder's)."""
         prompt = self._chat_or_prompt(prompt, messages)
-        req = self._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens, stop,
-                          prophets, policy)
-        yield from self._rounds(req, release_text=True)
+        runner = self._claim()
+        try:
+            req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
+                                stop, prophets, policy)
+            yield from runner._rounds(req, release_text=True)
+        finally:  # also when the caller closes or drops the stream early
+            self._release(runner)
 
     def _rounds(self, req: _Request, release_text: bool) -> Iterator[RoundEvent]:
         index = 0

@@ -12,6 +12,7 @@ it, since the verifier uses whatever q the drafter actually sampled from.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -401,4 +402,10 @@ class FastLlamaLM(LlamaWeights):
         del self.tokens[n:]
 
     def fresh(self) -> FastLlamaLM:
-        return FastLlamaLM(self.model, self.name, self.vocab_size, self.int8, self.act_dtype)
+        """Another view of the same (fused, possibly quantized) weights with an empty cache of
+        its own: nothing is fused or quantized again."""
+        other = copy.copy(self)
+        other.k_cache = other.v_cache = torch.zeros(0)
+        other._reserve(self.INITIAL_CAPACITY)
+        other.tokens, other.forward_calls, other.last_hidden = [], 0, torch.zeros(0)
+        return other

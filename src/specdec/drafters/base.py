@@ -3,10 +3,11 @@ drafter), then hear what was committed so that caches and indexes stay in step."
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +51,11 @@ class Drafter(Protocol):
         """Forget per-request state (caches, the prompt index)."""
         ...
 
+    def for_request(self, target: Any) -> Drafter:
+        """This prophet for another request running on `target` (the request's own view of
+        the target): the same weights, state of its own."""
+        ...
+
 
 class FeatureBlind:
     """For drafters that do not read the target's features."""
@@ -58,6 +64,14 @@ class FeatureBlind:
 
     def see_feature(self, position: int, feature: torch.Tensor) -> None:
         pass
+
+    def for_request(self, target: Any) -> Any:
+        """This prophet for another request running on `target` (a view of the same target
+        with a cache of its own): the same weights, state of its own. Stateless prophets
+        (lookups) are simply copied."""
+        other = copy.copy(self)
+        other.reset()  # type: ignore[attr-defined]
+        return other
 
 
 def span() -> float:

@@ -165,6 +165,9 @@ class FeatureDrafter:
         other.reset()
         return other
 
+    def for_request(self, target: Any) -> FeatureDrafter:
+        return self.fresh()
+
     def see_feature(self, position: int, feature: torch.Tensor) -> None:
         """feature (D,): the target's hidden state at context[position] (whose head gave
         the distribution of context[position + 1])."""

@@ -9,6 +9,7 @@ which keeps the cache invariant (see lm.py and fastllama.py for the two cache ki
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,12 @@ class LayerSkipDrafter(FeatureBlind):
 
     def reset(self) -> None:
         pass
+
+    def for_request(self, target: Any) -> LayerSkipDrafter:
+        """Early exit through the request's own view of the target (its cache)."""
+        other = copy.copy(self)
+        other.target = target
+        return other
 
 
 class AdaptedExitDrafter(LayerSkipDrafter):

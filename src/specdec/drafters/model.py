@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class ModelDrafter(FeatureBlind):
 
     def committed(self, context: Sequence[int]) -> None:
         sync(self.lm, context)
+
+    def for_request(self, target: Any) -> ModelDrafter:
+        return ModelDrafter(self.lm.fresh(), self.name)  # its own cache over the same weights
 
     def reset(self) -> None:
         self.lm.truncate(0)

@@ -29,7 +29,6 @@ into the request's asyncio queue, and a client that stops reading costs it nothi
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
@@ -40,11 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent, engine_for
-from specdec.drafters.feature import FeatureDrafter
-from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import NgramDrafter
-from specdec.drafters.retrieval import RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
@@ -197,23 +191,9 @@ def slot_capacity(positions: int, lm: Any) -> int:
 
 
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
-    """A decoder over the same weights with caches of its own, or None if some part of it
-    cannot be duplicated (then the server runs one request at a time)."""
-    new_target = decoder.target.fresh()
-    drafters: list[Any] = []
-    for d in decoder.drafters:
-        if isinstance(d, ModelDrafter):
-            drafters.append(ModelDrafter(d.lm.fresh(), d.name))
-        elif isinstance(d, FeatureDrafter):
-            drafters.append(d.fresh())
-        elif isinstance(d, LayerSkipDrafter):
-            drafters.append(LayerSkipDrafter(new_target, d.layers))
-        elif isinstance(d, NgramDrafter | RetrievalDrafter):
-            drafters.append(d)  # stateless between calls
-        else:
-            return None
-    return SpeculativeDecoder(new_target, drafters, tokenizer=decoder.tokenizer, policy=copy.deepcopy(decoder.policy),
-                              multi=decoder.multi, eos_token_ids=decoder.eos_token_ids)
+    """A decoder over the same weights with caches of its own (every prophet knows how to
+    make its own state for another request: `for_request`)."""
+    return decoder.for_request()
 
 
 class Scheduler:

@@ -13,7 +13,7 @@ from specdec.cli import main
 def test_generate_many_equals_one_at_a_time_greedy(tiny_pair, tiny_eagle, draft):
     """Batched where the prophets have a batched path (a model, lookup, a feature prophet,
     lookup then a feature prophet), one after another otherwise (layerskip, a tree)."""
-    from specdec.batch import engine_for
+    from specdec.wiring import engine_for
 
     spec = "+".join(tiny_eagle if p == "eagle" else tiny_pair.get(p, p) for p in draft.split("+"))
     decoder = load(tiny_pair["target"], draft=spec, draft_tokens=3)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from specdec import load
-from specdec.batch import engine_for
 from specdec.server import ServerConfig, create_app
+from specdec.wiring import engine_for
 from tests.server_fixtures import serve_in_thread, sse_chunks
 
 

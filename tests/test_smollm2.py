@@ -46,7 +46,7 @@ def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm
 def test_the_default_prophets_batch_on_the_real_target(smollm2):
     """What `specdec serve --target smollm2` runs: lookup first, eagle elsewhere, in batched
     steps; every row's greedy tokens are what it decodes alone."""
-    from specdec.batch import engine_for
+    from specdec.wiring import engine_for
 
     decoder = load()  # the default target is smollm2, with its default prophets
     engine = engine_for(decoder, 3)

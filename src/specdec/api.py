@@ -87,7 +87,7 @@ def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: 
     or "smollm2"; draft: None (plain) or a `--draft` spec with a batched path: "ngram", a
     model with the target's tokenizer, a feature prophet, or several of the cheap ones with
     multi "first"."""
-    from specdec.batch import engine_for
+    from specdec.wiring import engine_for
 
     decoder = load(target, draft=draft or "none", policy="fixed", multi=multi, dtype=dtype, draft_dtype=draft_dtype)
     engine = engine_for(decoder, slots)

@@ -31,7 +31,7 @@ from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import FastLlamaLM, LlamaWeights, exact_attention, supports
+from specdec.fastllama import LlamaWeights, exact_attention
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
@@ -488,7 +488,7 @@ class BatchEngine:
         self._free = list(range(target.slots))[::-1]  # slots no request holds
         self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
         # The costs a sampled row's policy decides from, the same for every request whatever
-        # shares its steps (engine_for sets the decoder's stored costs; else one row's, measured)
+        # shares its steps (wiring.engine_for sets the decoder's stored costs; else one row's, measured)
         self.row_costs: Costs | None = None
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
@@ -773,13 +773,12 @@ class BatchEngine:
         Generations, prompts encoded and checked by the decoder as `generate` does."""
         import time as _time
 
-        from specdec.engine import Generation
+        from specdec.generation import Generation
         from specdec.stats import summarize
 
         requests = []
         for job in jobs:
-            prompt = decoder._chat_or_prompt(job.get("prompt"), job.get("messages"))
-            ids = decoder._encode(prompt)
+            ids = decoder.prompt_ids(job.get("prompt"), job.get("messages"))
             if len(ids) >= self.target.max_length:  # as `generate` says it, before any work is done
                 raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
                                          f"{self.target.max_length} tokens: shorten the prompt")
@@ -822,46 +821,6 @@ class BatchEngine:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
-
-
-def engine_for(decoder: Any, slots: int) -> BatchEngine | None:
-    """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (layerskip, kangaroo, retrieval, an int8 copy,
-    a model among several prophets, several prophets other than multi="first")."""
-    from specdec.drafters.model import ModelDrafter
-    from specdec.drafters.ngram import NgramDrafter
-
-    cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
-    if slots in cache:
-        return cache[slots]
-    target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
-    if target_model is None or not supports(target_model):
-        return None
-    parts: list[BatchDrafter] = []
-    for d in decoder.drafters:
-        if isinstance(d, NgramDrafter):
-            parts.append(NgramBatchDrafter(d.n_max, d.n_min))
-        elif isinstance(d, FeatureDrafter):
-            parts.append(FeatureBatchDrafter(d))
-        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
-            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size)))
-        else:
-            return None
-    drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
-    if len(parts) > 1:
-        simple = [p for p in parts if isinstance(p, NgramBatchDrafter | FeatureBatchDrafter)]
-        if decoder.multi != "first" or len(simple) != len(parts):
-            return None
-        drafter = FirstBatchDrafter(simple)
-    engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
-                         decoder.eos_token_ids, decoder.tokenizer)
-    if drafter is not None and decoder.policy.needs_costs:
-        # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
-        # tokens alone, in any batch, and in another process on this machine
-        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
-        engine.row_costs = decoder._costs
-    cache[slots] = engine
-    return engine
 
 
 __all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "FeatureBatchDrafter", "FirstBatchDrafter",

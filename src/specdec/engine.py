@@ -27,26 +27,13 @@ from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
+from specdec.generation import Generation
 from specdec.lm import CausalLM, sync
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.stats import Stats, summarize
+from specdec.stats import summarize
 from specdec.text import IncrementalText
 from specdec.verify import DraftTree, verify_chain, verify_tree
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]  # generated ids only (the prompt excluded)
-    prompt_ids: list[int]
-    finish_reason: str  # "eos", "length", "stop" or "context"
-    events: list[RoundEvent] = field(default_factory=list)
-    stats: Stats = field(default_factory=Stats)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -226,7 +213,7 @@ class SpeculativeDecoder:
                                   "draft_tokens", "stop"}
             if unknown:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
-        from specdec.batch import engine_for
+        from specdec.wiring import engine_for
 
         engine = engine_for(self, max_batch) if not any(job.get("stop") for job in jobs) else None
         if engine is None:
@@ -306,6 +293,12 @@ class SpeculativeDecoder:
         out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(t) for t in ids]
+
+    def prompt_ids(self, prompt: str | Sequence[int] | None = None,
+                   messages: Sequence[dict[str, str]] | None = None) -> list[int]:
+        """A request's prompt as checked token ids: text (encoded), token ids, or messages in the
+        chat template; the same checks and errors as `generate`."""
+        return self._encode(self._chat_or_prompt(prompt, messages))
 
     def _chat_or_prompt(self, prompt: str | Sequence[int] | None,
                         messages: Sequence[dict[str, str]] | None) -> str | Sequence[int]:

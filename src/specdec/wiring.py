@@ -353,3 +353,54 @@ def resolve_multi(multi: str, drafters: list[Drafter]) -> str:
 __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids",
            "parse_draft", "prophet_kinds", "register", "resolve_device", "resolve_dtype", "resolve_multi",
            "short_name", "wrap"]
+
+
+def engine_for(decoder: Any, slots: int) -> Any:
+    """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
+    target or prophets have no batched path (layerskip, kangaroo, retrieval, an int8 copy,
+    a model among several prophets, several prophets other than multi="first")."""
+    from specdec.batch import (
+        BatchDrafter,
+        BatchEngine,
+        BatchLlama,
+        FeatureBatchDrafter,
+        FirstBatchDrafter,
+        ModelBatchDrafter,
+        NgramBatchDrafter,
+    )
+    from specdec.drafters.feature import FeatureDrafter
+    from specdec.drafters.model import ModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.fastllama import FastLlamaLM, supports
+
+    cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
+    if slots in cache:
+        return cache[slots]
+    target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
+    if target_model is None or not supports(target_model):
+        return None
+    parts: list[BatchDrafter] = []
+    for d in decoder.drafters:
+        if isinstance(d, NgramDrafter):
+            parts.append(NgramBatchDrafter(d.n_max, d.n_min))
+        elif isinstance(d, FeatureDrafter):
+            parts.append(FeatureBatchDrafter(d))
+        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
+            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size)))
+        else:
+            return None
+    drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
+    if len(parts) > 1:
+        simple = [p for p in parts if isinstance(p, NgramBatchDrafter | FeatureBatchDrafter)]
+        if decoder.multi != "first" or len(simple) != len(parts):
+            return None
+        drafter = FirstBatchDrafter(simple)
+    engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
+                         decoder.eos_token_ids, decoder.tokenizer)
+    if drafter is not None and decoder.policy.needs_costs:
+        # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
+        # tokens alone, in any batch, and in another process on this machine
+        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
+        engine.row_costs = decoder._costs
+    cache[slots] = engine
+    return engine

@@ -6,7 +6,7 @@
 
 Requests join and leave between rounds (continuous batching). Two ways to run them:
 
-- batched (`specdec.batch.engine_for` gives an engine: a Llama target with one model, ngram
+- batched (`specdec.wiring.engine_for` gives an engine: a Llama target with one model, ngram
   or feature prophet, ngram then a feature prophet (multi "first"), or none): up to
   `max_batch` requests are rows of ONE `engine.step(rows)` per iteration, one drafting pass
   and one target forward for all of them, each row accepting its own number of tokens. Each
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent, engine_for
+from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
@@ -46,6 +46,7 @@ from specdec.policy import make_policy
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 from specdec.text import IncrementalText
+from specdec.wiring import engine_for
 
 log = logging.getLogger("specdec.server")
 

@@ -337,6 +337,23 @@ def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
         assert result.passed, (k, s, result)
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram+eagle"])
+def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(drafter):
+    """Long prompts go in 2 tokens a step while short rows beside them sample (the chunked
+    prefill of a server): each row still follows the target's exact distribution."""
+    engine, target = toy_engine(drafter)
+    engine.set_prefill_chunk(2)
+    long_prompt = [3, 1, 4, 1, 0, 2, 3]
+    settings = {"temperature": 1.0}
+    requests = [Request(long_prompt if i % 2 else PROMPT, LENGTH, row_params(settings), 3, seed=i)
+                for i in range(2 * N)]
+    engine.generate(requests)
+    for prompt, rows in ((PROMPT, requests[0::2]), (long_prompt, requests[1::2])):
+        counts = Counter(tuple(r.generated) for r in rows)
+        result = goodness_of_fit(counts, sequence_distribution(target, prompt, LENGTH, row_params(settings)), ALPHA)
+        assert result.passed, (prompt, result)
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram", "ngram+eagle"])
 def test_rows_with_their_own_auto_policy_match_the_exact_distribution(drafter):
     """Each row owns an AutoPolicy (K from its own acceptance, pauses when no K pays)."""

@@ -19,7 +19,9 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 
 @pytest.fixture(scope="module")
 def url():
-    decoder = load("bundled")  # the small pair: a code model whose drafter is accepted often
+    # the small pair: a code model whose drafter is accepted often; policy fixed, so that it
+    # drafts every round whatever the startup timings say (auto K failed it once under load)
+    decoder = load("bundled", policy="fixed")
     with serve_in_thread(create_app(decoder, "bundled")) as base:
         yield base
 

@@ -31,7 +31,7 @@ from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import LlamaWeights, exact_attention
+from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
@@ -91,9 +91,14 @@ class BatchLlama(LlamaWeights):
         """Bytes of keys and values one position of one slot holds (all layers)."""
         return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
 
+    def capacity_for(self, positions: int) -> int:
+        """Positions a slot's buffer holds once its request reaches `positions`: doubling from
+        the initial capacity, at most the context (what the server's admission reserves)."""
+        return grown_capacity(positions, self.INITIAL_CAPACITY, self.max_length)
+
     def kv_bytes(self) -> int:
         """Bytes the slots' caches hold now."""
-        return sum(k.numel() * k.element_size() * 2 for k in self.k_slots if k is not None)
+        return sum(self.position_bytes() * k.shape[2] for k in self.k_slots if k is not None)
 
     def free(self, slot: int) -> None:
         """Return a slot's cache memory (its request has left)."""
@@ -105,9 +110,7 @@ class BatchLlama(LlamaWeights):
         capacity = 0 if k_old is None else k_old.shape[2]
         if k_old is not None and v_old is not None and end <= capacity:
             return k_old, v_old
-        size = max(capacity, min(self.INITIAL_CAPACITY, self.max_length))
-        while size < end:  # doubling from the initial capacity: what Scheduler.kv_need reserves
-            size = min(self.max_length, 2 * size)
+        size = self.capacity_for(end)
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
         k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
         v = torch.zeros_like(k)
@@ -435,30 +438,26 @@ def _slot(req: Request) -> int:
 
 
 def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str, budget: int | None = None) -> None:
-    """Feed rows' prompts but their last token (later steps then feed few tokens per row), one
-    chunk per row per call: from where the row is (`attr`: its cached length) to the next
-    multiple of `budget` positions, for rows in order while the chunks fit `budget` tokens
-    in all (at least one row). budget None: every row's whole prompt at once."""
-    while True:
-        feeds: list[tuple[Request, int, int]] = []
-        used = 0
-        for r in reqs:
-            done, end = getattr(r, attr), len(r.prompt) - 1
-            if done >= end:
-                continue
-            stop = end if budget is None else min(end, (done // budget + 1) * budget)
-            if feeds and budget is not None and used + stop - done > budget:
-                break
-            feeds.append((r, done, stop))
-            used += stop - done
-        if not feeds:
-            return
+    """Feed rows' prompts but their last token (later steps then feed few tokens per row):
+    with a budget, one chunk per row, from where the row is (`attr`: its cached length) to
+    the next multiple of `budget` positions, for rows in order while the chunks fit `budget`
+    tokens in all (at least one row); without, every row's whole prompt."""
+    feeds: list[tuple[Request, int, int]] = []
+    used = 0
+    for r in reqs:
+        done, end = getattr(r, attr), len(r.prompt) - 1
+        if done >= end:
+            continue
+        stop = end if budget is None else min(end, (done // budget + 1) * budget)
+        if feeds and budget is not None and used + stop - done > budget:
+            break
+        feeds.append((r, done, stop))
+        used += stop - done
+    if feeds:
         lm.forward([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
                    [0] * len(feeds))
-        for r, _, b in feeds:
-            setattr(r, attr, b)
-        if budget is not None:
-            return
+    for r, _, b in feeds:
+        setattr(r, attr, b)
 
 
 def _prefilled(req: Request, attr: str) -> bool:
@@ -575,6 +574,23 @@ class BatchEngine:
         on its K, a sampled row's draws do, so a sampled row keeps the K its own policy chose
         from costs fixed for the request (`row_costs`), whatever shares the step."""
         return [c if r.params.greedy else k for r, k, c in zip(active, ks, cut, strict=True)]
+
+    def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
+                    text: str = "", finish_reason: str | None = None) -> RoundEvent:
+        """The RoundEvent of one row's part in the last step, times relative to t0 (its
+        request's start): the step's drafting and target spans are the row's. committed and
+        finish_reason: as the caller cut them (stop strings), else the step's."""
+        (d0, d1), (g0, g1) = self.last_spans
+        name = e.prophet
+        return RoundEvent(
+            index=index, drafter=name, k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted,
+            next_token=e.next_token, next_kind=e.next_kind,
+            committed=list(e.committed if committed is None else committed),
+            draft_calls=len(e.drafted) if isinstance(self.drafter, ModelBatchDrafter) else 0, target_calls=1,
+            start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
+            target_span=(g0 - t0, g1 - t0), accepted_by=[name] * e.accepted if name else [],
+            proposals={name: len(e.drafted)} if name else {}, text=text,
+            finish_reason=e.finish_reason if finish_reason is None else finish_reason)
 
     def _invalid(self, req: Request) -> str | None:
         """Why a joining request cannot run here, or None."""
@@ -771,8 +787,6 @@ class BatchEngine:
     def run_jobs(self, decoder: Any, jobs: list[dict[str, Any]]) -> list[Any]:
         """SpeculativeDecoder.generate_many's batched path: jobs (settings per prompt) ->
         Generations, prompts encoded and checked by the decoder as `generate` does."""
-        import time as _time
-
         from specdec.generation import Generation
         from specdec.stats import summarize
 
@@ -788,24 +802,16 @@ class BatchEngine:
                                                    job.get("top_p", TOP_P)),
                                     k if self.drafter is not None else 0, job.get("seed"),
                                     make_policy(decoder.policy.name, k)))
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
         width = self.target.slots
         waiting, running = deque(requests), list[Request]()
         while waiting or running:
             while waiting and len(running) < width:
                 running.append(waiting.popleft())
-            start = _time.perf_counter() - t0
-            steps = self.step(running)
-            end = _time.perf_counter() - t0
-            for e in steps:  # one RoundEvent per row and step; the step's span is each row's
+            for e in self.step(running):
                 row = events[id(e.request)]
-                row.append(RoundEvent(
-                    index=len(row), drafter=e.prophet, k=len(e.drafted), drafted=list(e.drafted),
-                    accepted=e.accepted, next_token=e.next_token, next_kind=e.next_kind,
-                    committed=list(e.committed), draft_calls=0, target_calls=1, start=start, end=end,
-                    target_span=(start, end), accepted_by=[e.prophet] * e.accepted if e.prophet else [],
-                    proposals={e.prophet: len(e.drafted)} if e.prophet else {}, finish_reason=e.finish_reason))
+                row.append(self.round_event(e, len(row), t0))
             running = [r for r in running if not r.done]
         out = []
         for r in requests:

@@ -98,6 +98,13 @@ def causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor | None
     return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
+def grown_capacity(positions: int, initial: int, max_length: int) -> int:
+    """The size of a KV buffer that must hold `positions`: the initial capacity, doubled as
+    often as needed, at most the context. Every lean cache grows so."""
+    size = min(initial, max_length)
+    while size < positions:
+        size = min(max_length, 2 * size)
+    return size
 
 
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
@@ -275,7 +282,7 @@ class FastLlamaLM(LlamaWeights):
         end = min(max(end, 1), self.max_length)
         if self.k_cache.dim() == 4 and end <= self.capacity:
             return
-        size = min(self.max_length, max(end, 2 * self.capacity if self.k_cache.dim() == 4 else end))
+        size = grown_capacity(end, self.INITIAL_CAPACITY, self.max_length)
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
         k = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
         v = torch.zeros_like(k)

@@ -131,8 +131,7 @@ class OptimalPolicy(Policy):
     def _gain(self, a: float, k: int) -> float:
         if self.costs is None:
             return expected_gain(a, k, 0.1, 1 + self.verify_slope * k)
-        c = self.costs.t_draft / self.costs.t_plain
-        return expected_gain(a, k, c, self.costs.verify_time(1 + self.costs.width * k) / self.costs.t_plain)
+        return self.costs.gain(a, k)
 
     def observe(self, outcome: RoundOutcome) -> None:
         # Acceptance of a position given the ones before it were accepted: accepted / tested.

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.batch import BatchEngine, ModelBatchDrafter, Request, StepEvent
+from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, Request, StepEvent
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
@@ -182,15 +182,6 @@ def default_kv_memory() -> int:
         return 4 << 30
 
 
-def slot_capacity(positions: int, lm: Any) -> int:
-    """Positions a slot's buffer holds once it has grown to `positions` (doubling from the
-    initial capacity, at most the context)."""
-    capacity = min(lm.INITIAL_CAPACITY, lm.max_length)
-    while capacity < positions and capacity < lm.max_length:
-        capacity = min(lm.max_length, 2 * capacity)
-    return capacity
-
-
 def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
     """A decoder over the same weights with caches of its own (every prophet knows how to
     make its own state for another request: `for_request`)."""
@@ -249,8 +240,7 @@ class Scheduler:
         models = [self.engine.target]
         if isinstance(self.engine.drafter, ModelBatchDrafter):
             models.append(self.engine.drafter.lm)
-        return sum(lm.position_bytes() * slot_capacity(positions, lm) for lm in models  # type: ignore[attr-defined]
-                   if hasattr(lm, "position_bytes"))
+        return sum(lm.position_bytes() * lm.capacity_for(positions) for lm in models if isinstance(lm, BatchLlama))
 
     def check_fits(self, job: Job) -> None:
         """Raise NeverFits when a job's cache could never fit the memory budget."""
@@ -497,15 +487,7 @@ class Scheduler:
         delta = text[row.text_sent:]
         row.text_sent = max(row.text_sent, len(text))
         committed = req.generated[before:]
-        (draft0, draft1), (target0, target1) = engine.last_spans
-        model_drafter = isinstance(engine.drafter, ModelBatchDrafter)
-        event = RoundEvent(index=row.rounds, drafter=e.prophet,
-                           k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted, next_token=e.next_token,
-                           next_kind=e.next_kind, committed=list(committed),
-                           draft_calls=len(e.drafted) if model_drafter else 0, target_calls=1,
-                           start=draft0 - row.t0, end=time.perf_counter() - row.t0,
-                           draft_spans=[(draft0 - row.t0, draft1 - row.t0)] if e.drafted else [],
-                           target_span=(target0 - row.t0, target1 - row.t0), text=delta, finish_reason=finish)
+        event = engine.round_event(e, row.rounds, row.t0, committed, delta, finish)
         row.rounds += 1
         row.tokens += len(committed)
         self.metrics.round(event)

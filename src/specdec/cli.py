@@ -470,8 +470,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", default=None)
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="the target's weights for every configuration")
-    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat"],
-                   help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2)")
+    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench"],
+                   help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2); "
+                        "spec-bench: Spec-Bench's questions (--questions), plain decoding against the target's "
+                        "default decoder, per task and overall: speedup, tokens per target pass, acceptance")
+    b.add_argument("--questions", default=None, metavar="FILE",
+                   help="--suite spec-bench: Spec-Bench's question.jsonl (one {question_id, category, turns} "
+                        "object per line; the first turn of each is asked)")
+    b.add_argument("--per-task", type=int, default=None, metavar="N",
+                   help="--suite spec-bench: questions per task (default 5; 0 = all)")
+    b.add_argument("--draft", action="append", default=None, metavar="SPEC",
+                   help="--suite spec-bench: the prophets to measure, as specdec.load's draft (repeatable, one "
+                        "configuration each; default: default, the target's own prophets with its own K and policy)")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -10,13 +10,22 @@ from typing import Any
 
 import torch
 
-from specdec.bench.report import by_category, markdown, plots, summarize_config
+from specdec.bench.report import (
+    SPEC_BENCH_LEADERBOARD,
+    by_category,
+    by_task,
+    markdown,
+    plots,
+    specbench_markdown,
+    summarize_config,
+)
 from specdec.bench.report import fmt as _f
-from specdec.bench.runner import Config, Runner, hf_generate_fn, interleaved, measure_costs
+from specdec.bench.runner import Config, Run, Runner, hf_generate_fn, interleaved, measure_costs
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
-from specdec.data.prompts import CATEGORIES, build_suite
-from specdec.defaults import cpu_model, default_target
+from specdec.data.prompts import CATEGORIES, BenchPrompt, build_suite
+from specdec.defaults import cpu_model, default_drafter_for, default_target, display_name
 from specdec.drafters.model import ModelDrafter
+from specdec.errors import SpecdecError
 from specdec.gguf import is_alias
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations
@@ -87,7 +96,8 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
     plain = None
     for cfg in configs:
         if cfg.kind == "ours":
-            dec = load(target, draft=_draft_spec(cfg.draft, drafter), policy=cfg.policy, draft_tokens=cfg.k,
+            draft = cfg.draft if cfg.as_given else _draft_spec(cfg.draft, drafter)
+            dec = load(target, draft=draft, policy=cfg.policy, draft_tokens=(cfg.k or None) if cfg.as_given else cfg.k,
                        dtype=dtype, multi=cfg.multi, device=device)
             runner.decoders[cfg.name] = dec
             plain = plain or dec
@@ -121,6 +131,21 @@ def machine_info() -> dict[str, Any]:
     return {"platform": platform.platform(), "cpu": cpu, "native_bf16": default_draft_dtype() == torch.bfloat16,
             "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """The machine as the reports name it: processor, bf16, threads, GPU, versions."""
+    gpu = f", GPU {machine['gpu']}" if "gpu" in machine else ""
+    return (f"{machine['cpu']} ({'native bf16' if machine['native_bf16'] else 'no native bf16'}), "
+            f"{machine['threads']} threads{gpu}, torch {machine['torch']}, transformers {machine['transformers']}")
+
+
+def _machine(args: Any) -> dict[str, Any]:
+    machine = machine_info()
+    device = getattr(args, "device", "cpu")
+    if device != "cpu" and torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))
+    return machine
 
 
 def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[str, Any]:
@@ -180,6 +205,12 @@ def run_bench(args: Any) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
+    if getattr(args, "suite", None) == "spec-bench":
+        return run_specbench(args)
+    for flag, attr in (("--questions", "questions"), ("--per-task", "per_task"), ("--draft", "draft")):
+        if getattr(args, attr, None) is not None:
+            raise SpecdecError(f"{flag} goes with --suite spec-bench (the other suites choose prophets with "
+                               "--configs and --drafter)")
     console = Console(stderr=True)
     torch.manual_seed(0)
     out_dir = Path(args.out)
@@ -191,21 +222,15 @@ def run_bench(args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     modes = [m for m in args.modes.split(",") if m]
     results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
-    machine = machine_info()
+    machine = _machine(args)
     device = getattr(args, "device", "cpu")
-    if device != "cpu" and torch.cuda.is_available():
-        machine["gpu"] = torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))
     report = {"command": args.command_line, "machine": machine, "quick": args.quick, "device": device,
               "target_dtype": getattr(args, "dtype", "float32"),
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
-    gpu = f", GPU {machine['gpu']}" if "gpu" in machine else ""
-    md = [f"Command: `{args.command_line}`  \nMachine: {report['machine']['cpu']} "
-          f"({'native bf16' if report['machine']['native_bf16'] else 'no native bf16'}), "
-          f"{report['machine']['threads']} threads{gpu}, torch {report['machine']['torch']}, transformers "
-          f"{report['machine']['transformers']}; {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
-          f"{args.repeats} repeat(s); target weights {report['target_dtype']}.\n"]
+    md = [f"Command: `{args.command_line}`  \nMachine: {machine_line(machine)}; {len(prompts)} held-out prompts, "
+          f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); target weights {report['target_dtype']}.\n"]
     for res in results:
         c = res["costs"]
         header = (f"### {res['mode']}\n\nc = t_draft/t_target = {c.get('c', float('nan')):.3f}; verification cost "
@@ -228,4 +253,169 @@ def run_bench(args: Any) -> dict[str, Any]:
     bf16 = "computes bf16 natively" if report["machine"]["native_bf16"] else "no native bf16 (fp32 drafters)"
     console.print(f"machine: {report['machine']['cpu']}, {bf16}")
     console.print(f"wrote bench.json, bench.md and plots to {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return report
+
+
+# Spec-Bench (Xia et al. 2024, github.com/hemingkx/Spec-Bench): its eight MT-bench categories
+# are one task, "mt_bench"; its other tasks are categories of their own.
+SPEC_BENCH_MT = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def specbench_questions(path: str | None, per_task: int) -> list[BenchPrompt]:
+    """The first user turns of a Spec-Bench question file (one {"question_id", "category",
+    "turns"} object per line), `per_task` of each task (0: all): in file order, the MT-bench
+    categories taken in turn so that a few questions still span them. Bad input is a
+    SpecdecError of one line, raised before any model loads."""
+    if not path:
+        raise SpecdecError("--suite spec-bench needs --questions FILE (Spec-Bench's question.jsonl: one "
+                           '{"question_id", "category", "turns"} object per line)')
+    if per_task < 0:
+        raise SpecdecError(f"--per-task must be 0 (all) or more, not {per_task}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise SpecdecError(f"--questions {path}: cannot read it ({why})") from None
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"--questions {path} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(q, dict) or not isinstance(q.get("category"), str) or not q["category"]:
+            raise SpecdecError(f'--questions {path} line {n}: not an object with a "category" string')
+        turns = q.get("turns")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise SpecdecError(f'--questions {path} line {n}: "turns" is not a list that starts with a user turn')
+        cat = q["category"]
+        by_cat.setdefault(cat, []).append(BenchPrompt(category="mt_bench" if cat in SPEC_BENCH_MT else cat,
+                                                      source=f"{cat}:{q.get('question_id', n)}", text=turns[0]))
+    if not by_cat:
+        raise SpecdecError(f"--questions {path}: no questions in it")
+    by_task: dict[str, list[list[BenchPrompt]]] = {}
+    for qs in by_cat.values():
+        by_task.setdefault(qs[0].category, []).append(qs)
+    order = [t for t in SPEC_BENCH_TASKS if t in by_task] + [t for t in by_task if t not in SPEC_BENCH_TASKS]
+    chosen: list[BenchPrompt] = []
+    for task in order:
+        lists = by_task[task]
+        in_turn = [qs[i] for i in range(max(map(len, lists))) for qs in lists if i < len(qs)]
+        chosen += in_turn[:per_task] if per_task else in_turn
+    return chosen
+
+
+def specbench_configs(target: str, drafts: list[str]) -> list[Config]:
+    """Plain decoding twice (the second run of the same configuration is the noise) and, for
+    every --draft, the decoder specdec.load(target, draft) gives with its own defaults
+    (auto policy, the target's K, auto multi): "default" is the target's shipped prophets."""
+    out = [Config("plain", "ours"), Config("plain (again)", "ours")]
+    for spec in drafts:
+        name = f"default ({display_name(default_drafter_for(target))})" if spec == "default" else display_name(spec)
+        out.append(Config(name, "ours", spec, "auto", k=0, multi="auto", as_given=True))
+    return out
+
+
+def _specbench_result(mode: str, settings: dict[str, Any], configs: list[Config], runs: list[Run], tasks: list[str],
+                      sources: list[str]) -> dict[str, Any]:
+    greedy = mode == "greedy"
+    return {"mode": mode, "settings": dict(settings), "tasks": by_task(runs, configs, "plain", greedy, tasks, sources),
+            "rows": [summarize_config(runs, cfg, "plain", greedy, {}) for cfg in configs],
+            "runs": [{"config": r.config, "question": sources[r.prompt], "task": r.category, "tokens": len(r.tokens),
+                      "wall_s": r.wall_s, "target_calls": r.stats.get("target_calls"),
+                      "drafted": r.stats.get("drafted"), "accepted": r.stats.get("accepted")} for r in runs]}
+
+
+def run_specbench(args: Any) -> dict[str, Any]:
+    """`specdec bench --suite spec-bench`: each question's first turn (in the chat template
+    where the target has one) decoded plainly and speculatively, interleaved in a rotating
+    order, the same seed for each; per task and overall Spec-Bench's figures (report.by_task),
+    plus the bench's usual per-configuration rows."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    per_task = 5 if args.per_task is None else args.per_task
+    prompts = specbench_questions(args.questions, per_task)  # bad input fails here, before any model loads
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("greedy", "sampling") for m in modes):
+        raise SpecdecError(f"--modes: greedy, sampling or both (greedy,sampling), not {args.modes!r}")
+    console = Console(stderr=True)
+    torch.manual_seed(0)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    target = args.target or default_target()
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
+    configs = specbench_configs(target, args.draft or ["default"])
+    from specdec.wiring import resolve_dtype
+
+    runner = load_runner(configs, {}, target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")),
+                         getattr(args, "device", "cpu"))
+    plain = runner.decoders["plain"]
+    chat = bool(getattr(plain.tokenizer, "chat_template", None))
+    room = plain.target.max_length - args.max_new_tokens - 1
+    full = [plain.chat_ids([{"role": "user", "content": p.text}]) if chat
+            else list(plain.tokenizer(p.text)["input_ids"]) for p in prompts]
+    cut = sum(len(ids) > room for ids in full)
+    prompt_ids = [ids[-room:] for ids in full]  # keep the end of a prompt that would leave no room
+    tasks = list(dict.fromkeys(p.category for p in prompts))
+    sources = [p.source for p in prompts]
+    results = []
+    with Progress(console=console, transient=True) as bar:
+        job = bar.add_task("spec-bench", total=len(modes) * len(configs) * len(prompts) * args.repeats)
+        for mode in modes:
+            greedy = mode == "greedy"
+            runner.settings = {"temperature": 0.0 if greedy else 1.0, "top_k": None, "top_p": 1.0,
+                               "max_new_tokens": args.max_new_tokens}
+            for cfg in configs:  # warm-up: every configuration once on the first question, not recorded
+                runner.run(cfg, prompt_ids[0], seed=0)
+            runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
+                               on_run=lambda r: bar.update(job, advance=1))
+            results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources))
+    machine = _machine(args)
+    reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
+    report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
+              "device": getattr(args, "device", "cpu"), "target_dtype": getattr(args, "dtype", "float32"),
+              "questions_file": display_name(str(args.questions)), "per_task": per_task,
+              "prompt_format": "chat template" if chat else "raw text (the target has no chat template)",
+              "prompts_cut": cut, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "prompts": [{"task": p.category, "source": p.source} for p in prompts],
+              "leaderboard_tokens_per_pass": reference, "wall_s": time.perf_counter() - t0, "results": results}
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    counts = ", ".join(f"{t} {sum(p.category == t for p in prompts)}" for t in tasks)
+    md = [f"Command: `{args.command_line}`  \nMachine: {machine_line(machine)}; Spec-Bench: {len(prompts)} "
+          f"questions ({counts}), first turns in {report['prompt_format']}"
+          + (f" ({cut} cut to their last {room} tokens)" if cut else "")
+          + f", {args.max_new_tokens} new tokens, {args.repeats} repeat(s); target {display_name(target)}, weights "
+          f"{report['target_dtype']}; plain and speculative decoding interleaved per question, same seed.\n",
+          "Speedup: throughput over plain decoding's (summed new tokens / summed seconds, Spec-Bench's "
+          "definition; in greedy mode the ratio of summed times), with the min-max of the per-question ratios. "
+          "Tokens per target pass: new tokens / target forward calls (1.00 for plain decoding).\n",
+          "Spec-Bench leaderboard, tokens per target pass (Vicuna-7B-v1.3, greedy, fp16, one GPU): "
+          + ", ".join(f"{m} {v:.2f}" for m, v in SPEC_BENCH_LEADERBOARD)
+          + ". Tokens per pass does not depend on the hardware; a speedup does, and theirs are of a 7B model "
+          "on a GPU.\n"]
+    for res in results:
+        md.append(specbench_markdown(res["tasks"], f"### {res['mode']}"))
+        md.append(markdown(res["rows"], {}, [], "All questions, per configuration (the bench's usual figures):"))
+        table = Table(title=f"specdec bench --suite spec-bench ({res['mode']})")
+        for key in ["config", "task", "n", "speedup", "min-max", "tok/pass", "accept", "same"]:
+            table.add_column(key)
+        for r in res["tasks"]:
+            same = "-" if r["identical"] is None else f"{r['identical']}/{r['questions']}"
+            table.add_row(r["config"], r["task"], str(r["questions"]), _f(r["speedup"]),
+                          f"{_f(r['speedup_min'])}-{_f(r['speedup_max'])}", _f(r["tokens_per_pass"]),
+                          _f(r["acceptance_rate"], ".3f"), same if not r["mismatches"] else f"[bold red]{same}[/]")
+        console.print(table)
+        for r in res["tasks"]:
+            if r["task"] == "overall" and r["mismatches"]:
+                console.print(f"[bold red]MISMATCH ({res['mode']}, {r['config']}): greedy speculative output differs "
+                              f"from plain decoding on {len(r['mismatches'])} question(s): "
+                              f"{', '.join(r['mismatches'])}; their speedups are withheld[/]")
+    (out_dir / "bench.md").write_text("\n".join(md))
+    console.print(f"machine: {machine_line(machine)}")
+    console.print(f"wrote bench.json and bench.md to {out_dir} in {time.perf_counter() - t0:.0f}s")
     return report

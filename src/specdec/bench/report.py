@@ -131,10 +131,90 @@ def markdown(rows: list[dict[str, Any]], cats: dict[str, dict[str, float | None]
     for r in rows:
         r = dict(r, spread=f"{fmt(r.get('speedup_min'))}-{fmt(r.get('speedup_max'))}")
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for key, _, spec in COLUMNS) + " |")
+    if not cats:
+        return "\n".join(lines) + "\n"
     lines += ["", "Speedup over plain decoding by prompt category (median):", "",
               "| config | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 1)]
     for name, per in cats.items():
         lines.append(f"| {name} | " + " | ".join(fmt(per[c]) for c in categories) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# Spec-Bench's leaderboard (github.com/hemingkx/Spec-Bench): mean tokens per target forward pass,
+# Vicuna-7B-v1.3 unless named, greedy, fp16, one GPU. Tokens per pass does not depend on the hardware.
+SPEC_BENCH_LEADERBOARD = [("EAGLE-3 (Vicuna-13B)", 5.71), ("EAGLE-2", 4.35), ("EAGLE", 3.57), ("Medusa", 2.31),
+                          ("prompt lookup (PLD)", 1.73), ("Lookahead", 1.64)]
+
+
+def by_task(runs: list[Run], configs: list[Config], baseline: str, greedy: bool, tasks: list[str],
+            sources: list[str]) -> list[dict[str, Any]]:
+    """Spec-Bench's figures of every configuration but the baseline, per task and "overall":
+    speedup = its throughput over the baseline's (summed new tokens / summed seconds, as
+    Spec-Bench computes it; in greedy mode, where the outputs are identical, the ratio of
+    summed times), the min-max of the per-question ratios, tokens per target pass (new tokens
+    / target forward calls; 1.00 for plain decoding), acceptance (accepted / drafted) and, in
+    greedy mode, how many questions gave the baseline's tokens exactly. A greedy mismatch
+    withholds the speedup of its task and of "overall" and names the question."""
+    rows = []
+    for cfg in configs:
+        if cfg.name == baseline:
+            continue
+        for task in [*tasks, "overall"]:
+            sub = [r for r in runs if task == "overall" or r.category == task]
+            mine = [r for r in sub if r.config == cfg.name]
+            base = [r for r in sub if r.config == baseline]
+            if not mine or not base:
+                continue
+            ratios, _ = _pair_ratios(sub, cfg.name, baseline, greedy)
+            pairs: dict[int, list[Run]] = defaultdict(list)
+            for r in base:
+                pairs[r.prompt].append(r)
+            seen: dict[int, int] = defaultdict(int)
+            mismatches = []
+            for r in mine:  # the i-th run of a question pairs with the baseline's i-th
+                b = pairs[r.prompt][seen[r.prompt]]
+                seen[r.prompt] += 1
+                if greedy and r.tokens != b.tokens:
+                    mismatches.append(sources[r.prompt])
+            tokens, wall = sum(len(r.tokens) for r in mine), sum(r.wall_s for r in mine)
+            base_tokens, base_wall = sum(len(r.tokens) for r in base), sum(r.wall_s for r in base)
+            calls = sum(r.stats.get("target_calls", 0) for r in mine)
+            drafted = sum(r.stats.get("drafted", 0) for r in mine)
+            accepted = sum(r.stats.get("accepted", 0) for r in mine)
+            ok = not mismatches
+            speedup = (tokens / wall) / (base_tokens / base_wall) if wall and base_wall and base_tokens else None
+            rows.append({"config": cfg.name, "draft": display_name(cfg.draft), "task": task, "questions": len(mine),
+                         "tokens": tokens, "wall_s": wall, "plain_tokens": base_tokens, "plain_wall_s": base_wall,
+                         "speedup": speedup if ok else None,
+                         "speedup_min": min(ratios) if ratios and ok else None,
+                         "speedup_max": max(ratios) if ratios and ok else None,
+                         "tokens_per_pass": tokens / calls if calls else None,
+                         "acceptance_rate": accepted / drafted if drafted else None,
+                         "identical": len(mine) - len(mismatches) if greedy else None,
+                         "identical_to_plain": ok if greedy else None, "mismatches": mismatches})
+    return rows
+
+
+SPEC_BENCH_COLUMNS = [("config", "config", "s"), ("task", "task", "s"), ("questions", "questions", "d"),
+                      ("speedup", "speedup", ".2f"), ("spread", "per-question min-max", "s"),
+                      ("tokens_per_pass", "tokens per target pass", ".2f"), ("acceptance_rate", "accept", ".3f"),
+                      ("same", "same tokens", "s")]
+
+
+def specbench_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [header, "", "| " + " | ".join(c[1] for c in SPEC_BENCH_COLUMNS) + " |",
+             "|" + "---|" * len(SPEC_BENCH_COLUMNS)]
+    for r in rows:
+        same = "-" if r["identical"] is None else f"{r['identical']}/{r['questions']}"
+        if r["mismatches"]:
+            same += " **MISMATCH**"
+        r = dict(r, spread=f"{fmt(r.get('speedup_min'))}-{fmt(r.get('speedup_max'))}", same=same,
+                 task=f"**{r['task']}**" if r["task"] == "overall" else r["task"])
+        lines.append("| " + " | ".join(fmt(r.get(key), spec) for key, _, spec in SPEC_BENCH_COLUMNS) + " |")
+    bad = sorted({q for r in rows if r["task"] == "overall" for q in r["mismatches"]})
+    if bad:
+        lines += ["", f"**MISMATCH: greedy speculative output differs from plain decoding on {len(bad)} "
+                      f"question(s): {', '.join(bad)}. Their speedups are withheld.**"]
     return "\n".join(lines) + "\n"
 
 

@@ -31,6 +31,9 @@ class Config:
     policy: str = "fixed"
     k: int = 4
     multi: str = "tree"
+    # draft, policy, K and multi go to specdec.load as a user passes them, K 0 meaning load's own
+    # default, so that draft "default" is the target's shipped prophets (not the bench's --drafter)
+    as_given: bool = False
 
 
 @dataclass

@@ -129,3 +129,35 @@ def test_every_policy_says_what_acceptance_it_has_seen():
     for _ in range(20):
         optimal.observe(RoundOutcome(4, 0, 0.01, 0.1, 4, "x"))
     assert optimal.acceptance() < before
+
+
+def test_a_prophet_that_never_pays_is_probed_once_per_pause_at_the_cheapest_k_and_pauses_double():
+    """The default must not lose to plain decoding: a prophet whose drafts are never accepted
+    costs a few cheap probes, each pause twice as long as the last (it was stuck at 4 rounds
+    when one probe from the prior reset the back-off)."""
+    policy = auto(STEP_CURVE, k=8)
+    trace = []
+    for _ in range(200):
+        k = policy.next_k("eagle")
+        trace.append(k)
+        policy.observe(RoundOutcome(k, 0, 0.0, 0.0, k, "eagle") if k else plain_round())
+    pauses = [len(run) for run in "".join("p" if k == 0 else "|" for k in trace).split("|") if run]
+    assert pauses[:5] == [4, 8, 16, 32, 64]
+    first_pause = trace.index(0)
+    assert all(k == 1 for k in trace[first_pause:] if k)  # every probe after the first try: K = 1
+    # what the wasted drafts cost: each round yields one token; a plain round costs one step
+    cost = sum(STEP_CURVE.round_time(k) if k else 1.0 for k in trace)
+    assert len(trace) / cost > 0.97
+
+
+def test_a_probe_that_pays_brings_the_prophet_back():
+    policy = auto(STEP_CURVE, k=4)
+    for _ in range(3):
+        k = policy.next_k("eagle")
+        policy.observe(RoundOutcome(k, 0, 0.0, 0.0, k, "eagle") if k else plain_round())
+    while policy.next_k("eagle") == 0:
+        policy.observe(plain_round())
+    for _ in range(6):  # the text turns predictable: every draft accepted
+        k = policy.next_k("eagle")
+        policy.observe(RoundOutcome(k, k, 0.0, 0.0, k, "eagle") if k else plain_round())
+    assert policy.next_k("eagle") >= 2 and policy.evidence["eagle"].backoff == 4

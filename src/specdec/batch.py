@@ -25,7 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round, median_seconds
+from specdec.costmodel import (
+    Costs,
+    clamp_acceptance,
+    expected_tokens_per_round,
+    interleaved_minimums,
+    median_seconds,
+    monotone,
+)
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.drafters.feature import FeatureDrafter
 from specdec.drafters.ngram import lookup
@@ -731,16 +738,14 @@ class BatchEngine:
                 r.policy.costs = self.row_costs  # type: ignore[union-attr]
         return self._costs[bucket]
 
-    def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 2) -> Costs:
+    def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 3) -> Costs:
         slots, starts = [_slot(r) for r in active], [r.target_cached for r in active]
         room = min(self.target.max_length - s for s in starts)
 
-        def timed(fn: Any) -> float:
-            return median_seconds(fn, repeats) / len(active)  # per row
-
         sizes = [n for n in range(1, k_max + 2) if n <= room]
-        t_verify = {n: timed(lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active),
-                                                             [n] * len(active))) for n in sizes}
+        passes = {n: (lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active), [n] * len(active)))
+                  for n in sizes}
+        t_verify = {n: t / len(active) for n, t in monotone(interleaved_minimums(passes, repeats)).items()}  # per row
         by_name = self.drafter.draft_costs(active) if self.drafter is not None else {}
         return Costs(t_verify[1], t_verify, max(by_name.values(), default=0.0), 1, by_name)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdec.costmodel import Costs, median_seconds
+from specdec.costmodel import Costs, interleaved_minimums, monotone
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
@@ -317,7 +317,7 @@ class SpeculativeDecoder:
         from specdec.defaults import cpu_model
 
         model = getattr(self.target, "model", None)
-        return {"version": 1, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 2, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
@@ -351,12 +351,11 @@ class SpeculativeDecoder:
             pass  # a read-only cache: this decoder still decides from its own measurement
         return costs
 
-    def calibrate(self, n_context: int = 64, repeats: int = 3) -> Costs:
+    def calibrate(self, n_context: int = 64, repeats: int = 5) -> Costs:
         """Time, once, a plain target step, target passes scoring n = 2.. tokens (up to a
         round of the policy's largest K) and a drafting step of each prophet, on a neutral
-        context; the auto policy chooses K from these costs."""
-        import statistics
-
+        context; the auto policy chooses K from these costs. Each figure is the fastest of
+        `repeats` calls taken in turn, and the verification curve never falls with n."""
         k = self.policy.k0
         width = len(self.drafters) if self.multi == "tree" else 1  # a tree scores every prophet's chain
         n_max = 1 + width * k
@@ -368,11 +367,9 @@ class SpeculativeDecoder:
             d.reset()
         self.target.forward(ctx, 1)  # prefill, and a warm-up
 
-        def timed(fn: Any) -> float:
-            return median_seconds(fn, repeats, after=lambda: self.target.truncate(n))
-
         sizes = sorted({size for size in (*range(1, min(n_max, 9) + 1), (9 + n_max) // 2, n_max) if size <= n_max})
-        t_verify = {size: timed(lambda size=size: self.target.forward([ctx[-1]] * size, size)) for size in sizes}
+        passes = {size: (lambda size=size: self.target.forward([ctx[-1]] * size, size)) for size in sizes}
+        t_verify = monotone(interleaved_minimums(passes, repeats, after=lambda: self.target.truncate(n)))
         step_times = []
         for d in self.drafters:
             if d.reads_features:
@@ -387,7 +384,7 @@ class SpeculativeDecoder:
                 t0 = time.perf_counter()
                 d.propose(ctx + [ctx[-1]], k, greedy, gen)
                 times.append(time.perf_counter() - t0)
-            step_times.append(statistics.median(times) / k)
+            step_times.append(min(times) / k)
         self.target.truncate(0)
         for d in self.drafters:
             d.reset()

@@ -150,9 +150,10 @@ class _Evidence:
     tested: float
     accepted: float
     k: int
-    rounds: int = 0
+    rounds: int = 0  # drafted rounds since the request started or the last pause ended
     pause: int = 0
     backoff: int = 4
+    paused_before: bool = False
 
 
 class AutoPolicy(Policy):
@@ -163,7 +164,11 @@ class AutoPolicy(Policy):
     (K t_draft + t_verify(K+1)) from the costs measured once for the decoder (t_draft is
     that prophet's own). When the best predicted gain falls below `break_even` that prophet
     pauses (plain steps, or another prophet's drafts) for a pause that doubles each time
-    (4 rounds up to 64), then tries again from the prior. Its choices depend only on
+    (4 rounds up to 64). A pause keeps what the prophet showed (its evidence only weighs
+    `resume_weight` as much after it), so the round that tries it again drafts the K that
+    acceptance predicts (1 for a prophet that was never right: the cheapest probe), and one
+    probe that does not pay pauses it again, twice as long. The pause shortens back to 4
+    only after `min_rounds` rounds that pay. Its choices depend only on
     acceptance and those fixed costs (measured once per machine and settings, and stored:
     SpeculativeDecoder.stored_costs), so a seed fixes its output across loads."""
 
@@ -171,9 +176,11 @@ class AutoPolicy(Policy):
     needs_costs = True
 
     def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.0,
-                 prior_a: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+                 prior_a: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
+                 resume_weight: float = 0.5) -> None:
         super().__init__(k)
         self.min_rounds, self.max_pause, self.break_even = min_rounds, max_pause, break_even
+        self.resume_weight = resume_weight
         self.prior_a, self.prior_weight, self.decay = prior_a, prior_weight, decay
         self.costs: Costs | None = None
         self.reset()
@@ -189,14 +196,9 @@ class AutoPolicy(Policy):
     def _of(self, prophet: str | None) -> _Evidence:
         key = prophet or "*"
         if key not in self.evidence:
-            self.evidence[key] = self._fresh(_Evidence(0.0, 0.0, self.k_max))
+            w = self.prior_weight
+            self.evidence[key] = _Evidence(w, self.prior_a * w, self.k_max)
         return self.evidence[key]
-
-    def _fresh(self, ev: _Evidence) -> _Evidence:
-        """Start (again) from the prior: after a pause the evidence before it no longer counts
-        (next_k takes K from the prior while a prophet has no rounds)."""
-        ev.rounds, ev.tested, ev.accepted = 0, self.prior_weight, self.prior_a * self.prior_weight
-        return ev
 
     def acceptance(self, prophet: str | None = None) -> float:
         """This request's running estimate of a prophet's per-position acceptance rate."""
@@ -217,6 +219,10 @@ class AutoPolicy(Policy):
         for name, other in self.evidence.items():  # a round passes for every pausing prophet but the drafter
             if name != key and other.pause > 0:
                 other.pause -= 1
+                if other.pause == 0:  # the pause ends: what it showed weighs less against the next rounds
+                    other.tested *= self.resume_weight
+                    other.accepted *= self.resume_weight
+                    other.rounds = 0
         if key is None:
             return
         ev = self._of(key)
@@ -230,11 +236,11 @@ class AutoPolicy(Policy):
         self.k = ev.k
         self.gains.append(gain)
         self.ks.append(ev.k)
-        if ev.rounds >= self.min_rounds and gain < self.break_even:
-            ev.pause, ev.backoff = ev.backoff, min(2 * ev.backoff, self.max_pause)
-            self._fresh(ev)  # fresh evidence after the pause
-        elif gain >= self.break_even:
-            ev.backoff = 4
+        if gain < self.break_even and (ev.rounds >= self.min_rounds or ev.paused_before):
+            # a first try gets min_rounds rounds; after a pause one probe decides
+            ev.pause, ev.backoff, ev.paused_before = ev.backoff, min(2 * ev.backoff, self.max_pause), True
+        elif gain >= self.break_even and ev.rounds >= self.min_rounds:
+            ev.backoff = 4  # it pays again: the next pause is short
 
 
 POLICIES = ("auto", "fixed", "adaptive", "confidence", "optimal")

@@ -1,0 +1,272 @@
+"""Broad self-distillation data with no outside data: the target writes the questions too.
+
+Two prompt sources, mixed:
+- Magpie (Xu et al., 2024): the chat template up to an empty user turn
+  (`<|im_start|>system ...<|im_end|>\\n<|im_start|>user\\n`) is fed to the instruct target,
+  which samples what a user would ask; questions are filtered (length, repetition, a
+  closing end-of-turn token) and deduplicated;
+- task templates over word lists (`specdec.data.tasks`): writing, role-play, reasoning, math
+  word problems, code in several languages, extraction, STEM, humanities, translation and
+  summaries / QA over a passage the target wrote itself.
+Then the target answers every prompt (greedy, T=0.7 and T=1 in turn) and its last hidden
+state is kept at every position: shards in the format of `specdec.train.selfdistill`, so
+the prophets' training reads both alike.
+
+Everything runs on the lean batched path (`specdec.batch.BatchLlama`, bf16 where the CPU
+computes it natively): a row that finishes leaves the batch, so no step is spent on
+padding. Shards are written atomically one batch at a time; an interrupted run resumes.
+Spec-Bench's questions are never read here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.batch import BatchLlama
+from specdec.data.tasks import over_passage, passage_requests, task_prompts
+from specdec.fastllama import LlamaWeights
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of float32 logits (B, V): greedy at temperature 0, else nucleus."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        choice = torch.multinomial(sorted_p, 1, generator=gen)
+        return order.gather(-1, choice)[:, 0]
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+@torch.inference_mode()
+def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop: set[int], temperature: float,
+                  top_p: float, gen: torch.Generator, keep_hidden: bool) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Each prompt continued until a stop token (kept) or max_new tokens. Returns per row
+    (new tokens, hidden states after the final norm at every fed position: the prompt and
+    the new tokens but the last, bf16) or (new tokens, None).
+
+    One left-padded batch with a preallocated cache and one attention call per layer (a
+    data generator, not the exact path: rows may differ from one-row decoding in the last
+    bits); finished rows are dropped from the batch when a quarter of it has finished."""
+    n, hd, dev = len(prompts), lm.head_dim, lm.embed.device
+    width = max(len(p) for p in prompts)
+    cap = min(width + max_new, lm.max_length)
+    pad = torch.tensor([width - len(p) for p in prompts], device=dev)  # (B,)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=dev)
+    n_layers = len(lm.layers)
+    keys = torch.zeros(n_layers, n, lm.n_kv, cap, hd, dtype=lm.embed.dtype, device=dev)
+    values = torch.zeros_like(keys)
+    rows = torch.arange(n, device=dev)  # which prompt each batch row is
+    out: list[list[int]] = [[] for _ in range(n)]
+    hidden: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    rep = lm.n_heads // lm.n_kv
+
+    def run(x_ids: torch.Tensor, col: int) -> torch.Tensor:
+        """Feed x_ids (B, m) at cache columns col.., return normed hidden (B, m, D)."""
+        b, m = x_ids.shape
+        cols = col + torch.arange(m, device=dev)
+        positions = (cols[None] - pad[:, None]).clamp(min=0)  # (B, m)
+        allowed = torch.arange(col + m, device=dev)[None, None] >= pad[:, None, None]  # (B, 1, T): not padding
+        allowed = allowed & (torch.arange(col + m, device=dev)[None, :] <= cols[:, None])[None]  # causal (B, m, T)
+        mask = allowed[:, None]  # (B, 1, m, T)
+        cos, sin = lm.cos[positions][:, None], lm.sin[positions][:, None]
+        x = lm.embed[x_ids]
+        for i, w in enumerate(lm.layers):
+            h = lm._norm(x, w["in_norm"])
+            q, k, v = F.linear(h, w["qkv"]).split([lm.n_heads * hd, lm.n_kv * hd, lm.n_kv * hd], dim=-1)
+            q = lm._rope(q.view(b, m, lm.n_heads, hd).transpose(1, 2), cos, sin)
+            keys[i, :b, :, col : col + m] = lm._rope(k.view(b, m, lm.n_kv, hd).transpose(1, 2), cos, sin)
+            values[i, :b, :, col : col + m] = v.view(b, m, lm.n_kv, hd).transpose(1, 2)
+            kk, vv = keys[i, :b, :, : col + m], values[i, :b, :, : col + m]
+            if m == 1:  # the query heads sharing a key head attend together: no copy of the cache
+                a = F.scaled_dot_product_attention(q.reshape(b, lm.n_kv, rep, hd), kk, vv, attn_mask=mask)
+                a = a.reshape(b, lm.n_heads, 1, hd)
+            else:
+                a = F.scaled_dot_product_attention(q, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
+                                                   attn_mask=mask)
+            x = x + F.linear(a.transpose(1, 2).reshape(b, m, -1), w["o"])
+            gate, up = F.linear(lm._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+        return lm._norm(x, lm.final_norm)
+
+    h = run(ids, 0)
+    if keep_hidden:
+        for b in range(n):
+            hidden[b].append(h[b, int(pad[b]) :].to(torch.bfloat16).cpu())
+    logits = F.linear(h[:, -1], lm.lm_head).float()
+    col = width
+    alive = [True] * n  # per batch row: still generating
+    for step in range(max_new):
+        tok = _sample(logits, temperature, top_p, gen)
+        for j, (r, t) in enumerate(zip(rows.tolist(), tok.tolist(), strict=True)):
+            if alive[j]:
+                out[r].append(t)
+                alive[j] = t not in stop and step + 1 < max_new and col + 1 < cap
+        if not any(alive):
+            break
+        if sum(alive) <= 0.75 * len(alive):  # drop finished rows
+            keep = torch.tensor([j for j, a in enumerate(alive) if a], device=dev)
+            keys[:, : len(keep)] = keys[:, keep]
+            values[:, : len(keep)] = values[:, keep]
+            rows, pad, tok = rows[keep], pad[keep], tok[keep]
+            alive = [True] * len(keep)
+        h = run(tok[:, None], col)[:, 0]
+        col += 1
+        if keep_hidden:
+            for j, a in enumerate(alive):
+                if a:
+                    hidden[int(rows[j])].append(h[j : j + 1].to(torch.bfloat16).cpu())
+        logits = F.linear(h, lm.lm_head).float()
+    result = []
+    for b in range(n):
+        hs = torch.cat(hidden[b]) if keep_hidden else None
+        result.append((out[b], hs))
+    return result
+
+
+_BAD = re.compile(r"(https?://|<\||\bSmolLM\b|Hugging Face)", re.I)
+
+
+def good_question(text: str) -> bool:
+    """A sampled question worth answering: not too short or long, no repetition loops, no
+    template tokens or self-reference."""
+    words = text.split()
+    if not 4 <= len(words) <= 120 or _BAD.search(text):
+        return False
+    if len(set(words)) < 0.5 * len(words):  # a repetition loop
+        return False
+    return any(c.isalpha() for c in text)
+
+
+def magpie_questions(lm: BatchLlama, tokenizer: Any, n: int, batch: int, gen: torch.Generator,
+                     log: Any = print) -> list[str]:
+    """n distinct questions the target writes from an empty user turn (T=1, top-p 0.95)."""
+    pre = tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
+    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    seen: set[str] = set()
+    found: list[str] = []
+    tries = 0
+    while len(found) < n and tries < 20 * n:
+        rows = continue_rows(lm, [pre] * batch, 96, {end, int(tokenizer.eos_token_id)}, 1.0, 0.95, gen, False)
+        tries += batch
+        for toks, _ in rows:
+            if not toks or toks[-1] != end:
+                continue  # no closing token: cut off or rambling
+            text = tokenizer.decode(toks[:-1]).strip()
+            key = re.sub(r"\W+", " ", text.lower()).strip()
+            if good_question(text) and key not in seen:
+                seen.add(key)
+                found.append(text)
+    log(f"magpie: {len(found)} questions kept of {tries} sampled")
+    return found[:n]
+
+
+def _chat_ids(tokenizer: Any, text: str) -> list[int]:
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_tasks: int, seed: int,
+                  log: Any = print) -> list[dict[str, str]]:
+    """The prompt list (saved once in work/prompts.pt so resumed runs answer the same ones)."""
+    path = work / "prompts.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    questions = magpie_questions(lm, tokenizer, n_magpie, 128, gen, log)
+    log(f"magpie questions in {time.perf_counter() - t0:.0f}s")
+    prompts = [{"category": "magpie", "text": q} for q in questions]
+    prompts += [{"category": c, "text": t} for c, t in task_prompts(n_tasks - n_tasks // 4, seed)]
+    # passages the target writes (T=0.7), then summaries / questions / extraction over them
+    requests = passage_requests(n_tasks // 4, seed)
+    passages = []
+    end = int(tokenizer.eos_token_id)
+    for i in range(0, len(requests), 64):
+        enc = [_chat_ids(tokenizer, r) for r in requests[i : i + 64]]
+        for toks, _ in continue_rows(lm, enc, 320, {end}, 0.7, 1.0, gen, False):
+            if toks and toks[-1] == end and len(toks) > 60:
+                passages.append(tokenizer.decode(toks[:-1]).strip())
+    log(f"passages: {len(passages)} of {len(requests)} kept")
+    prompts += [{"category": c, "text": t} for c, t in over_passage(passages, seed)]
+    # some of the project's own chat prompts (stdlib-based), so its own suite does not regress
+    from specdec.data.chat import chat_prompts
+
+    own = chat_prompts(n_tasks // 12 + 1, heldout=False, seed=seed + 7)[: n_tasks // 3]
+    prompts += [{"category": "own-" + p.category, "text": p.messages()[-1]["content"]} for p in own]
+    random.Random(seed).shuffle(prompts)
+    torch.save(prompts, path)
+    return prompts
+
+
+def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size: int = 128, max_new: int = 256,
+             temperatures: tuple[float, ...] = (0.0, 0.7, 1.0), seed: int = 0, minutes: float | None = None,
+             log: Any = print) -> Path:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specdec.wiring import default_draft_dtype, load_pretrained
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_pretrained(target, default_draft_dtype())
+    lm = BatchLlama(model, target, batch_size)
+    prompts = build_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
+    ids = [_chat_ids(tokenizer, p["text"]) for p in prompts]
+    batches = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
+    deadline = time.monotonic() + minutes * 60 if minutes else None
+    stop = {int(tokenizer.eos_token_id)}
+    total = 0
+    with Progress(TextColumn("broad self-distillation data"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("", total=len(batches), tok="")
+        for bi, batch in enumerate(batches):
+            path = out_dir / f"shard-{bi:05d}.pt"
+            if path.exists():
+                bar.update(task, advance=1)
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"time budget reached at batch {bi}")
+                break
+            temperature = temperatures[bi % len(temperatures)]
+            gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}-{bi}".encode()).hexdigest()[:8], 16))
+            t0 = time.perf_counter()
+            rows = continue_rows(lm, [ids[i] for i in batch], max_new, stop, temperature, 1.0, gen, True)
+            new = sum(len(r[0]) for r in rows)
+            total += new
+            shard = {"ids": [ids[i] + r[0] for i, r in zip(batch, rows, strict=True)],
+                     "hidden": [r[1] for r in rows], "prompt_len": [len(ids[i]) for i in batch],
+                     "category": [prompts[i]["category"] for i in batch], "temperature": temperature}
+            tmp = path.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            os.replace(tmp, path)
+            bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s, {total:,} this run")
+    return out_dir
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(".cache/smollm2/broad"))
+    ap.add_argument("--magpie", type=int, default=6000)
+    ap.add_argument("--tasks", type=int, default=3000)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--minutes", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    generate("smollm2", a.out, a.magpie, a.tasks, a.batch_size, a.max_new, seed=a.seed, minutes=a.minutes)

@@ -227,7 +227,7 @@ def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size
     prompts = build_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
     ids = [_chat_ids(tokenizer, p["text"]) for p in prompts]
     batches = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
-    deadline = time.monotonic() + minutes * 60 if minutes else None
+    deadline = time.monotonic() + minutes * 60 if minutes is not None else None  # 0: answer nothing more
     stop = {int(tokenizer.eos_token_id)}
     total = 0
     with Progress(TextColumn("broad self-distillation data"), BarColumn(), MofNCompleteColumn(),

@@ -38,10 +38,20 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
     models = models_dir or Path(paths["models"])
     d = cfg["data"]
     t0 = time.perf_counter()
-    generate_data(paths["target"], work / "data", n_prompts=int(d["prompts"]), batch_size=int(d["batch_size"]),
-                  max_new=int(d["max_new_tokens"]), temperatures=[float(t) for t in d["temperatures"]],
-                  seed=int(d.get("seed", 0)), minutes=data_minutes if data_minutes is not None else d.get("minutes"),
-                  dtype=_dtype(str(d.get("dtype", "float32"))), log=log)
+    minutes = data_minutes if data_minutes is not None else d.get("minutes")
+    if d.get("source", "chat") == "broad":  # Magpie questions + task templates (specdec.train.magpie)
+        from specdec.train.magpie import generate
+
+        data_dir = work / "broad"
+        generate(paths["target"], data_dir, int(d["magpie"]), int(d["tasks"]), int(d["batch_size"]),
+                 int(d["max_new_tokens"]), tuple(float(t) for t in d["temperatures"]), int(d.get("seed", 0)),
+                 minutes, log=log)
+    else:  # the stdlib-based chat prompts (specdec.data.chat)
+        data_dir = work / "data"
+        generate_data(paths["target"], data_dir, n_prompts=int(d["prompts"]), batch_size=int(d["batch_size"]),
+                      max_new=int(d["max_new_tokens"]), temperatures=[float(t) for t in d["temperatures"]],
+                      seed=int(d.get("seed", 0)), minutes=minutes, dtype=_dtype(str(d.get("dtype", "float32"))),
+                      log=log)
     log(f"data ready in {time.perf_counter() - t0:.0f}s")
     model, tokenizer = load_pretrained(paths["target"], torch.float32)
     embed = model.get_input_embeddings().weight.detach()
@@ -49,16 +59,16 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
     report: dict[str, Any] = {}
     for kind in only or list(PROPHETS):
         pc = cfg[kind]
-        data = load_shards(work / "data", int(pc["unroll"]), vocab_size=lm_head.shape[0])
+        data = load_shards(data_dir, int(pc["unroll"]), vocab_size=lm_head.shape[0])
         if kind == "kangaroo":
-            data.early = early_features(paths["target"], work / "data", int(pc["layers"]), log=log)
+            data.early = early_features(paths["target"], data_dir, int(pc["layers"]), log=log)
         vocab = draft_vocabulary(data.answer_counts, int(cfg["vocab"]["size"]), [int(tokenizer.eos_token_id)])
         coverage = float(data.answer_counts[vocab].sum()) / max(1, int(data.answer_counts.sum()))
         log(f"{kind}: {len(data.starts_train)} training positions, {len(data.starts_heldout)} held out; "
             f"draft vocabulary {len(vocab)} ids covering {coverage:.4f} of answer tokens")
         minutes = train_minutes if train_minutes is not None else float(pc["minutes"])
         head, info = train_head(kind, data, embed, lm_head, vocab, pc, work / f"{kind}.ckpt", minutes, max_steps,
-                                log=log, targets_cache=work / "data" / "targets.pt")
+                                log=log, targets_cache=data_dir / "targets.pt")
         name = f"smollm2-{kind}"
         meta = {"target": paths["target"], "vocab_size": int(lm_head.shape[0]), "draft_vocab": len(vocab),
                 "draft_vocab_coverage": round(coverage, 4), "answer_tokens": data.n_answer_tokens,

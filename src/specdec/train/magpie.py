@@ -43,8 +43,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
+    if top_p < 1.0:  # the nucleus among the 512 likeliest tokens (a data generator: no full sort)
+        sorted_p, order = probs.topk(min(512, probs.shape[-1]), dim=-1)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p
         sorted_p = sorted_p * keep
         choice = torch.multinomial(sorted_p, 1, generator=gen)
@@ -171,6 +171,7 @@ def magpie_questions(lm: BatchLlama, tokenizer: Any, n: int, batch: int, gen: to
             if good_question(text) and key not in seen:
                 seen.add(key)
                 found.append(text)
+        log(f"magpie: {len(found)} of {n} questions ({tries} sampled)")
     log(f"magpie: {len(found)} questions kept of {tries} sampled")
     return found[:n]
 
@@ -268,5 +269,9 @@ if __name__ == "__main__":
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 when other work shares a 2-core machine: spinning threads crawl)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     generate("smollm2", a.out, a.magpie, a.tasks, a.batch_size, a.max_new, seed=a.seed, minutes=a.minutes)

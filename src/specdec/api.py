@@ -16,6 +16,7 @@ import torch
 
 from specdec.defaults import default_draft_tokens_for, default_drafter_for, default_target
 from specdec.engine import SpeculativeDecoder
+from specdec.int4 import INT4, attach_int4
 from specdec.policy import make_policy
 from specdec.wiring import (
     build_drafters,
@@ -33,7 +34,7 @@ __all__ = ["batch_engine", "default_draft_dtype", "load", "resolve_device", "res
 
 
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
-         draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype = torch.float32,
+         draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str = torch.float32,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
@@ -59,6 +60,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     else float32). A drafter's precision never affects exactness (the verifier tests the q
     it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
     reads each step.
+    dtype: the target's weights: torch.float32 (default), torch.bfloat16, or "int4" (the
+    lean path multiplies 4-bit weights natively on the CPU: a GGUF file's own Q4_1 blocks,
+    e.g. smollm2's, else the float weights quantized the same way; see specdec.int4);
+    names as `--dtype` takes them ("float32", "bfloat16", "auto", "int4") are accepted.
     device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (a GPU when there is one).
     Weights, caches, drafts and the verifier's random numbers all live there; only the
     accepted token ids come back to the host, once per round.
@@ -71,7 +76,12 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     if draft_tokens is None:
         draft_tokens = 4
     where = resolve_device(device)
-    model, tokenizer = load_pretrained(target_name, dtype, trust_remote_code, role="target", device=where)
+    weights = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    int4 = weights == INT4  # float32 weights, then the 4-bit products beside them
+    model, tokenizer = load_pretrained(target_name, torch.float32 if int4 else weights, trust_remote_code,
+                                       role="target", device=where)
+    if int4:
+        attach_int4(model, target_name, backend, where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend)
     drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
@@ -81,7 +91,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
                               eos_ids(model, tokenizer))
 
 
-def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype = torch.float32,
+def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str = torch.float32,
                  draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
     """A BatchEngine with `slots` cache slots over what `load` builds. target: a path, hub id
     or "smollm2"; draft: None (plain) or a `--draft` spec with a batched path: "ngram", a

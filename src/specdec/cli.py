@@ -29,11 +29,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "first when a feature prophet is among them, else tree")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="the target's weights (auto: bfloat16 where the CPU computes it natively). Greedy output "
-                        "equals plain decoding's in both on the lean path (Llama models); with the transformers "
-                        "backend in bfloat16, a pass over K+1 tokens rounds differently from K+1 single steps, so "
-                        "it can differ where two logits nearly tie")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto", "int4"],
+                   help="the target's weights (auto: bfloat16 where the CPU computes it natively; int4: 4-bit "
+                        "weights multiplied natively on the CPU, a GGUF file's own Q4_1 blocks such as smollm2's, "
+                        "lean path only). Greedy output equals plain decoding's in each on the lean path (Llama "
+                        "models); with the transformers backend in bfloat16, a pass over K+1 tokens rounds "
+                        "differently from K+1 single steps, so it can differ where two logits nearly tie")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, mps or auto (a GPU when there is one, else the CPU)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
@@ -151,7 +152,7 @@ def _generate_many(args: argparse.Namespace, decoder: Any, settings: dict[str, A
 def _greedy_difference(args: argparse.Namespace) -> str:
     if args.temperature != 0:
         return ""
-    if args.dtype != "float32":
+    if args.dtype in ("bfloat16", "auto"):
         return (" (greedy tokens differ from plain decoding: with a bfloat16 target on the transformers backend, "
                 "scoring several tokens in one pass rounds differently from scoring one at a time)")
     return " (greedy tokens differ from plain decoding)"

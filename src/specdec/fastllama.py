@@ -20,7 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.defaults import PREFILL_CHUNK
+from specdec.int4 import ATTR as INT4_ATTR
+from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_layout
+
+Weight = torch.Tensor | Int4Weight  # a product's weight: float, or 4-bit (specdec.int4, `--dtype int4`)
 
 
 def supports(model: Any) -> bool:
@@ -134,9 +138,13 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 class LlamaWeights:
     """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
-    plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm."""
+    plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm.
 
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
+    A model loaded with dtype int4 carries 4-bit products (`specdec.int4.attach_int4`):
+    those products (and the head) are then `Int4Weight`s, multiplied by PyTorch's CPU int4
+    kernel, with everything else in float32; `int4=False` reads the float weights only."""
+
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int4: bool = True) -> None:
         if not supports(model):
             raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
         cfg = model.config
@@ -149,11 +157,17 @@ class LlamaWeights:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inner = model.model
+        source = getattr(model, INT4_ATTR, None) if int4 else None
+        self.int4 = source is not None
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight
-            self.layers = [self._layer_weights(layer) for layer in inner.layers]
+            self.layers = [self._layer_weights(layer, source.layers[i] if source is not None else {})
+                           for i, layer in enumerate(inner.layers)]
             self.final_norm = inner.norm.weight
-            self.lm_head = model.lm_head.weight[: self.vocab_size]  # tied embeddings: the same tensor
+            # tied embeddings: the same tensor; with dtype int4 an Int4Weight (the float one: head())
+            self.lm_head: Any = model.lm_head.weight[: self.vocab_size]
+            if source is not None and source.head is not None:
+                self.lm_head = source.head.first_rows(self.vocab_size)
             positions = torch.arange(self.max_length, dtype=torch.float, device=self.embed.device)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -165,21 +179,40 @@ class LlamaWeights:
         # keeps a kernel for every row count it meets (an LRU of up to 1,024 of them): a
         # server that meets every (rows x new tokens) would grow for thousands of requests.
         # Padding the rows to a bucket keeps it to a few dozen kernels per weight shape.
-        self.bucket_rows = self.embed.device.type == "cpu" and self.embed.dtype in (torch.bfloat16, torch.float16)
+        # With int4 weights too: each product rounds its input rows to bfloat16, so a float32
+        # difference of one ulp (attention over n queries at once against one) can move a
+        # row by a bf16 step; the rows are handled as in bfloat16 (subclasses' exact_rows:
+        # scored rows attend alone; float products, if any, padded as probed).
+        self.bucket_rows = self.embed.device.type == "cpu" and (
+            self.embed.dtype in (torch.bfloat16, torch.float16) or self.int4)
         # And the row counts it pads to are ones whose rows round exactly as a one-row product
         # does on this machine's kernels (see ROW_POLICIES), probed once per weight shapes.
         self.row_policy = self._probe_rows() if self.bucket_rows else "none"
+        # The 4-bit products' rows: "none" where the int4 kernel computes each row alike
+        # whatever the row count (probed once per shapes), else "solo" (each row alone).
+        self.int4_rows = self._probe_int4_rows() if self.int4 else "none"
 
     def _probe_rows(self) -> str:
         layer = self.layers[0]
-        weights = [layer[name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        weights = [w for w in (*(layer[name] for name in ("qkv", "o", "gate_up", "down")), self.lm_head)
+                   if isinstance(w, torch.Tensor)]
         key = (self.embed.dtype, str(self.device), *(tuple(w.shape) for w in weights))
+        if not weights:  # all 4-bit: see int4_rows
+            return "none"
         if key not in _ROW_POLICY:
             _ROW_POLICY[key] = probe_row_policy(weights)
         return _ROW_POLICY[key]
 
-    def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x (..., D) @ weight.T, the rows padded as `row_policy` says where `bucket_rows` says so."""
+    def _probe_int4_rows(self) -> str:
+        layer = self.layers[0]
+        weights = [w for w in (layer[name] for name in ("qkv", "o", "gate_up", "down")) if isinstance(w, Int4Weight)]
+        return int4_row_policy(weights, self.lm_head if isinstance(self.lm_head, Int4Weight) else None)
+
+    def _mm(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """x (..., D) @ weight.T: a 4-bit weight through the int4 kernel (rows as `int4_rows`
+        says); a float one with its rows padded as `row_policy` says where `bucket_rows` says so."""
+        if isinstance(weight, Int4Weight):
+            return weight.mm(x, self.int4_rows)
         if not self.bucket_rows:
             return x @ weight.T
         flat = x.reshape(-1, x.shape[-1])
@@ -199,16 +232,19 @@ class LlamaWeights:
         return self.embed.device
 
     @staticmethod
-    def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
+    def _layer_weights(layer: Any, int4: dict[str, Int4Weight]) -> dict[str, Any]:
+        """The layer's norms and products (fused), each product 4-bit where `int4` holds it."""
         att, mlp = layer.self_attn, layer.mlp
-        return {
-            "in_norm": layer.input_layernorm.weight,
-            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
-            "o": att.o_proj.weight,
-            "post_norm": layer.post_attention_layernorm.weight,
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-            "down": mlp.down_proj.weight,
+        fused = {
+            "qkv": lambda: torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
+            "o": lambda: att.o_proj.weight,
+            "gate_up": lambda: torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+            "down": lambda: mlp.down_proj.weight,
         }
+        weights: dict[str, Any] = {"in_norm": layer.input_layernorm.weight,
+                                   "post_norm": layer.post_attention_layernorm.weight}
+        weights.update({name: int4[name] if name in int4 else make() for name, make in fused.items()})
+        return weights
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as Llama computes it (in float32). x (..., D)."""
@@ -233,8 +269,9 @@ class FastLlamaLM(LlamaWeights):
     def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
                  act_dtype: torch.dtype = torch.float32) -> None:
         """int8: the same weights quantized to int8 per output row (weight-only; activations in
-        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`)."""
-        super().__init__(model, name, vocab_size)
+        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
+        from the float weights (never from a model's 4-bit ones)."""
+        super().__init__(model, name, vocab_size, int4=not int8)
         self.int8, self.act_dtype = int8, act_dtype
         if int8:
             with torch.no_grad():
@@ -255,13 +292,13 @@ class FastLlamaLM(LlamaWeights):
         self.forward_calls = 0
         self.last_hidden = torch.zeros(0)
 
-    def _linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w: dict[str, Any], name: str) -> torch.Tensor:
         """x @ W.T, with int8 weights (one scale per output row) when the model is quantized."""
         if self.int8:
             return torch._weight_int8pack_mm(x.to(self.act_dtype), w[name + ".q"], w[name + ".s"])
         return self._mm(x, w[name])
 
-    def _quantize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _quantize(self, weights: dict[str, Any]) -> dict[str, Any]:
         out = dict(weights)
         for name in ("qkv", "o", "gate_up", "down", "head"):
             if name in weights:
@@ -351,7 +388,10 @@ class FastLlamaLM(LlamaWeights):
         return self.embed
 
     def head(self) -> torch.Tensor:
-        return self.lm_head
+        """The head's float weights (V, D) (with dtype int4, those transformers de-quantized)."""
+        if isinstance(self.lm_head, torch.Tensor):
+            return self.lm_head
+        return self.model.lm_head.weight[: self.vocab_size]
 
     @torch.inference_mode()
     def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,12 +40,15 @@ def default_draft_dtype(device: torch.device | None = None) -> torch.dtype:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """float32, bfloat16, or auto (bfloat16 where the CPU computes it natively)."""
+    """float32, bfloat16, auto (bfloat16 where the CPU computes it natively), or int4: a
+    target's 4-bit weights on the lean path (specdec.int4), named torch.quint4x2 here."""
+    from specdec.int4 import INT4
+
     if name == "auto":
         return default_draft_dtype()
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": INT4}
     if name not in dtypes:
-        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {name!r}")
+        raise ValueError(f"dtype must be float32, bfloat16, auto or int4, got {name!r}")
     return dtypes[name]
 
 

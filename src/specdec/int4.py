@@ -1,0 +1,361 @@
+"""4-bit weights on the lean path (`--dtype int4`): a GGUF file's own blocks, multiplied natively.
+
+A Q4_1 block of a GGUF file holds 32 weights as codes q in 0..15 with a scale d and a
+minimum m (fp16): w = d*q + m. That is groupwise asymmetric int4 with groups of 32, which
+PyTorch's CPU kernel `aten._weight_int4pack_mm_for_cpu` multiplies without de-quantizing
+the matrix: it computes w = (q - 8) * scale + zero per group (checked numerically in
+tests/test_int4.py), so a Q4_1 block maps to scale = d and zero = m + 8d, and its codes
+are packed as they are. The kernel reads scales and zeros in the activations' dtype,
+which is bfloat16 for its vectorized path (float32 activations run a scalar loop, ~20x
+slower): d and m + 8d are rounded to bfloat16 (a relative 2^-9 each), the activations are
+rounded to bfloat16 before each product, the kernel accumulates in float32 and rounds
+its output to bfloat16. Everything between the products (residual stream, norms, rotary,
+attention, the KV cache) stays float32.
+
+What each tensor of a GGUF file becomes (`from_gguf`):
+- Q4_1: one 4-bit plane, from the file's codes (no de-quantization, no re-quantization);
+- Q8_0 (SmolLM2's tied embedding/head, 49152 x 576): two 4-bit planes, exact: a block's
+  int8 code q = 16*hi + lo (lo = q & 15, hi = q >> 4) is hi+8 with scale 16d and zero 0,
+  plus lo with scale d and zero 8d; the head's product is the sum of the two (10 bits a
+  weight read, against 32 in float32). The embedding lookup reads the float table.
+- F32 (norms) and every other format (Q4_K, Q6_K, F16, ...): the float32 weights that
+  transformers de-quantized (the lean path's float product for that matrix). A fused
+  product (q/k/v, gate/up) is 4-bit only when all of its parts are.
+A model that is not a GGUF file is quantized here by the same rules (`from_float`): Q4_1's
+min/max rule for the layers' matrices, Q8_0's for the head.
+
+Exactness: every row of the kernel's product is computed alike whatever the row count
+(blocks of 4 rows, each output a float32 FMA chain over K in order); `int4_row_policy`
+checks this on this machine's kernel once per weight shapes, and runs each row alone
+("solo") where it fails, so a verification pass of K+1 rows scores exactly what K+1
+one-token steps would.
+
+Cost: the kernel de-quantizes the weights once per block of 4 rows, so a product of M
+rows costs about ceil(M/4) one-row products (a float32 product of a few rows costs about
+one): 4-bit steps are cheap, verification passes much less so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per block: Q4_1's and Q8_0's, and the kernel's group size
+INT4 = torch.quint4x2  # how `--dtype int4` is named among torch dtypes (load(dtype=INT4) or "int4")
+ATTR = "specdec_int4"  # the attribute of a loaded model that holds its 4-bit weights
+_ROWS_ALIGN = 16  # the kernel takes output rows in blocks of 16..64
+_INNER_K_TILES = 2  # the CPU packing's argument (K must be a multiple of 16 * this)
+
+
+@dataclass
+class Codes:
+    """One 4-bit plane of a (N, K) weight before packing: w = (q - 8) * scale + zero per group
+    of 32 along K. q (N, K) uint8 in 0..15; scale, zero (N, K/32) float32."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) weights this plane holds, scales and zeros as the kernel reads them (bf16)."""
+        s = self.scale.bfloat16().float().repeat_interleave(GROUP, dim=1)
+        z = self.zero.bfloat16().float().repeat_interleave(GROUP, dim=1)
+        return (self.q.float() - 8) * s + z
+
+    def rows(self, index: torch.Tensor) -> Codes:
+        return Codes(self.q[index], self.scale[index], self.zero[index])
+
+
+def cat_codes(parts: Sequence[Sequence[Codes]]) -> list[Codes]:
+    """Planes of weights stacked along N (a fused product), plane by plane."""
+    return [Codes(torch.cat([p[i].q for p in parts]), torch.cat([p[i].scale for p in parts]),
+                  torch.cat([p[i].zero for p in parts])) for i in range(len(parts[0]))]
+
+
+class Int4Weight:
+    """A (rows, K) weight held as 4-bit planes for the CPU int4 kernel: x @ W.T is the sum
+    of the planes' products (one plane for Q4_1, two for Q8_0), in x's dtype."""
+
+    def __init__(self, planes: Sequence[Codes]) -> None:
+        n, k = planes[0].q.shape
+        if k % GROUP or k % (16 * _INNER_K_TILES):
+            raise ValueError(f"int4 weights need K a multiple of {GROUP}, got {k}")
+        pad = -n % _ROWS_ALIGN
+        self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for p in planes:
+                q, scale, zero = p.q.to(torch.int32), p.scale.float(), p.zero.float()
+                if pad:  # rows of zeros (scale 0, zero 0), sliced off each product
+                    q = torch.cat([q, torch.full((pad, k), 8, dtype=torch.int32)])
+                    scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+                    zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INNER_K_TILES)
+                scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+                self.planes.append((packed, scales_zeros))  # scales_zeros (K/32, N, 2)
+        self.shape = torch.Size((n, k))
+        self.out_rows = n  # rows returned: the first `out_rows` (see first_rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: packed codes, scales and zeros."""
+        return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.planes)
+
+    def first_rows(self, n: int) -> Int4Weight:
+        """The same weights, products returning their first n rows only (a head sliced to the vocabulary)."""
+        if n == self.out_rows:
+            return self
+        other = object.__new__(Int4Weight)
+        other.__dict__.update(self.__dict__)
+        other.out_rows, other.shape = n, torch.Size((n, self.shape[1]))
+        return other
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (M, K) bfloat16 -> (M, out_rows) float32."""
+        out: torch.Tensor | None = None
+        for packed, scales_zeros in self.planes:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros).float()
+            out = part if out is None else out + part
+        assert out is not None
+        return out[:, : self.out_rows]
+
+    def mm(self, x: torch.Tensor, rows: str = "none") -> torch.Tensor:
+        """x (..., K) @ W.T in x's dtype. rows: "none" (all rows in one product) or "solo"
+        (each row alone, where the kernel's rows depend on the row count; see int4_row_policy)."""
+        k = self.shape[1]
+        flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        if flat.shape[0] == 0:
+            out = flat.new_zeros(0, self.out_rows, dtype=torch.float32)
+        elif rows == "solo":
+            out = torch.cat([self._product(flat[i : i + 1]) for i in range(flat.shape[0])])
+        else:
+            out = self._product(flat)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_rows)
+
+
+# ----------------------------------------------------------------- rows
+INT4_ROW_POLICIES = ("none", "solo")
+_INT4_POLICY: dict[tuple[Any, ...], str] = {}  # probed once per weight shapes
+
+
+@torch.inference_mode()
+def rows_invariant(weight: Int4Weight, sizes: Sequence[int], rows: int, seed: int = 0) -> bool:
+    """Whether every row of a product of m rows (each m in sizes) has the bits of the same
+    row multiplied alone, on random rows (on this machine's kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, weight.shape[1], generator=gen) * 2
+    alone = weight.mm(x, "solo")
+    for m in sizes:
+        for s in range(0, rows - rows % m, m):
+            if not torch.equal(weight.mm(x[s : s + m]), alone[s : s + m]):
+                return False
+    return True
+
+
+PROBE_SIZES = (*range(1, 18), 24, 33)  # row counts probed: verification passes (K+1), trees, batches
+HEAD_PROBE_SIZES = (1, 2, 3, 4, 5, 8, 9, 17)  # a head (V rows) is ~50x a layer's product: fewer
+
+
+def int4_row_policy(weights: Sequence[Int4Weight], head: Int4Weight | None = None) -> str:
+    """"none" where every row count gives each row the bits of a one-row product (so a
+    verification pass scores what one-token steps do), else "solo". Probed once per shapes
+    (~0.5 s on SmolLM2, most of it the head's products)."""
+    key = tuple((tuple(w.shape), len(w.planes)) for w in (*weights, *([head] if head else [])))
+    if key not in _INT4_POLICY:
+        same = all(rows_invariant(w, PROBE_SIZES, 34) for w in weights)
+        same = same and (head is None or rows_invariant(head, HEAD_PROBE_SIZES, 17))
+        _INT4_POLICY[key] = "none" if same else "solo"
+    return _INT4_POLICY[key]
+
+
+# ----------------------------------------------------------------- codes from blocks
+def q4_1_codes(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> list[Codes]:
+    """Q4_1 (w = d*q + m; d, m (N, K/32), q (N, K) in 0..15) as one plane."""
+    d, m = d.float(), m.float()
+    return [Codes(q.to(torch.uint8), d, m + 8 * d)]
+
+
+def q8_0_codes(d: torch.Tensor, q: torch.Tensor) -> list[Codes]:
+    """Q8_0 (w = d*q; d (N, K/32), q (N, K) int8) as two planes: hi+8 (scale 16d, zero 0)
+    and lo (scale d, zero 8d), where q = 16*hi + lo, lo = q & 15 in 0..15, hi = q >> 4 in -8..7."""
+    d, q = d.float(), q.to(torch.int16)
+    lo, hi = q & 15, q >> 4
+    return [Codes((hi + 8).to(torch.uint8), 16 * d, torch.zeros_like(d)), Codes(lo.to(torch.uint8), d, 8 * d)]
+
+
+def quantize_q4_1(w: torch.Tensor) -> list[Codes]:
+    """Float weights (N, K) to Q4_1 as llama.cpp's reference quantizer does: per block of 32,
+    d = (max - min) / 15, m = min (both stored as fp16), q = round((w - m) / d) in 0..15."""
+    blocks = w.float().reshape(w.shape[0], -1, GROUP)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((blocks - lo[..., None]) * inv[..., None] + 0.5).floor().clamp(0, 15).reshape(w.shape)
+    return q4_1_codes(d.half(), lo.half(), q)
+
+
+def quantize_q8_0(w: torch.Tensor) -> list[Codes]:
+    """Float weights (N, K) to Q8_0 as llama.cpp does: per block, d = max|w| / 127 (fp16), q = round(w / d)."""
+    blocks = w.float().reshape(w.shape[0], -1, GROUP)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).reshape(w.shape)
+    return q8_0_codes(d.half(), q)
+
+
+def read_q4_1(raw: np.ndarray, n: int, k: int) -> list[Codes]:
+    """A Q4_1 tensor's bytes (N, K/32 * 20): per block d, m (fp16), then 16 bytes whose low
+    nibbles are weights 0..15 and high nibbles weights 16..31."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 20)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    qs = blocks[..., 4:20]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
+    return q4_1_codes(d, m, torch.from_numpy(q))
+
+
+def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
+    """A Q8_0 tensor's bytes (N, K/32 * 34): per block d (fp16), then 32 int8 weights."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 34)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
+    return q8_0_codes(d, q)
+
+
+_READERS = {"Q4_1": read_q4_1, "Q8_0": read_q8_0}
+
+
+def unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
+    """The row order that turns a GGUF llama q/k matrix back into Hugging Face's: llama.cpp
+    interleaves each head's two rotary halves (rows i and i + hd/2 become 2i and 2i+1);
+    Hugging Face row r of a head is GGUF row index[r]."""
+    half = n_rows // heads // 2
+    return torch.arange(n_rows).reshape(heads, half, 2).transpose(1, 2).reshape(n_rows)
+
+
+# ----------------------------------------------------------------- a model's 4-bit weights
+LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+               "down": ("ffn_down",)}
+_HF_PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+
+
+@dataclass
+class Int4Source:
+    """The 4-bit products of a model, as the lean path fuses them: per layer some of "qkv",
+    "o", "gate_up", "down" (the others stay float), and the head (or None: float)."""
+
+    layers: list[dict[str, Int4Weight]]
+    head: Int4Weight | None
+    origin: str  # "gguf" (the file's own blocks) or "quantized" (from float weights here)
+    formats: dict[str, int] = field(default_factory=dict)  # tensors by how they are held, for reports
+
+    def nbytes(self) -> int:
+        parts = [w for layer in self.layers for w in layer.values()] + ([self.head] if self.head else [])
+        return sum(w.nbytes for w in parts)
+
+
+def _check_against(codes: list[Codes], weight: torch.Tensor, name: str) -> None:
+    """The planes must hold what transformers de-quantized (a wrong row order or block
+    layout would be far off): a few rows, within the bf16 rounding of scales and zeros."""
+    with torch.no_grad():
+        rows = torch.arange(0, weight.shape[0], max(1, weight.shape[0] // 8))
+        got = sum(p.rows(rows).dequantize() for p in codes)
+        want = weight[rows].float()
+        assert isinstance(got, torch.Tensor)
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-6):
+            raise ValueError(f"int4: '{name}' does not hold the model's weights (max difference "
+                             f"{float((got - want).abs().max()):.3g})")
+
+
+def from_gguf(path: Path, model: Any) -> Int4Source:
+    """The 4-bit products of a llama GGUF file, read from its blocks (see the module doc)."""
+    from specdec.gguf import read_tensors
+
+    tensors = read_tensors(path)
+    cfg = model.config
+    formats: dict[str, int] = {}
+
+    def codes(name: str, shape: tuple[int, ...], heads: int | None = None) -> list[Codes] | None:
+        t = tensors.get(name)
+        kind = t.kind if t is not None else "missing"
+        read = _READERS.get(kind)
+        n, k = shape
+        if t is None or read is None or t.shape != (n, k) or k % GROUP:
+            formats[f"{kind} (float32)"] = formats.get(f"{kind} (float32)", 0) + 1
+            return None
+        formats[kind] = formats.get(kind, 0) + 1
+        planes = read(t.data, n, k)
+        if heads is not None:
+            index = unpermute_rows(n, heads)
+            planes = [p.rows(index) for p in planes]
+        return planes
+
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        quantized = {}
+        for fused, parts in LAYER_PARTS.items():
+            got = []
+            for part in parts:
+                weight = layer.get_submodule(_HF_PARTS[part]).weight
+                heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(part)
+                planes = codes(f"blk.{i}.{part}.weight", tuple(weight.shape), heads)
+                if planes is not None and i == 0:
+                    _check_against(planes, weight, f"blk.{i}.{part}.weight")
+                got.append(planes)
+            if all(g is not None for g in got) and len({len(g) for g in got if g is not None}) == 1:
+                quantized[fused] = Int4Weight(cat_codes([g for g in got if g is not None]))
+        layers.append(quantized)
+    head_weight = model.lm_head.weight
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head_codes = codes(head_name, tuple(head_weight.shape))
+    if head_codes is not None:
+        _check_against(head_codes, head_weight, head_name)
+    head = Int4Weight(head_codes) if head_codes is not None else None
+    return Int4Source(layers, head, "gguf", formats)
+
+
+def from_float(model: Any) -> Int4Source:
+    """4-bit products quantized here from a float model: Q4_1's rule for the layers, Q8_0's for the head."""
+    layers = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            quantized = {}
+            for fused, parts in LAYER_PARTS.items():
+                weight = torch.cat([layer.get_submodule(_HF_PARTS[p]).weight for p in parts])
+                if weight.shape[1] % GROUP == 0:
+                    quantized[fused] = Int4Weight(quantize_q4_1(weight))
+            layers.append(quantized)
+        head_weight = model.lm_head.weight
+        head = Int4Weight(quantize_q8_0(head_weight)) if head_weight.shape[1] % GROUP == 0 else None
+    return Int4Source(layers, head, "quantized", {"Q4_1 (quantized here)": len(layers), "Q8_0 head": 1})
+
+
+def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.device | None = None) -> Int4Source:
+    """Give a loaded float32 model its 4-bit products (read by the lean path, FastLlamaLM and
+    BatchLlama alike): from the GGUF file's blocks when `name` is one ("smollm2" or a .gguf
+    path), else quantized here. Clear errors where int4 cannot run."""
+    from specdec.fastllama import supports
+    from specdec.gguf import is_alias, smollm2_gguf
+
+    if device is not None and device.type != "cpu":
+        raise ValueError("dtype int4 runs on the CPU only (PyTorch's CPU int4 kernel): use --device cpu")
+    if backend == "hf":
+        raise ValueError("dtype int4 runs on specdec's lean path only: leave --backend at auto or fast")
+    if not supports(model):
+        raise ValueError(f"dtype int4 needs a plain Llama model (the lean path); '{name}' is not one")
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError(f"dtype int4 needs PyTorch's CPU int4 kernel (PyTorch >= 2.6), this is {torch.__version__}")
+    if is_alias(name):
+        source = from_gguf(smollm2_gguf(), model)
+    elif name.lower().endswith(".gguf"):
+        source = from_gguf(Path(name).expanduser(), model)
+    else:
+        source = from_float(model)
+    model.__dict__[ATTR] = source  # a plain attribute (not a module or parameter of the model)
+    return source

@@ -1,0 +1,190 @@
+"""4-bit weights on the lean path (`--dtype int4`, specdec.int4): what the CPU int4 kernel
+multiplies, the GGUF blocks it is handed, rows that never depend on the row count, and
+speculative decoding of an int4 target that is plain int4 decoding's, token for token
+(greedy) and in distribution (sampled)."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import load
+from specdec.certify import goodness_of_fit
+from specdec.defaults import models_dir
+from specdec.int4 import (
+    HEAD_PROBE_SIZES,
+    INT4,
+    Codes,
+    Int4Weight,
+    quantize_q4_1,
+    quantize_q8_0,
+    read_q4_1,
+    read_q8_0,
+    rows_invariant,
+    unpermute_rows,
+)
+from tests.helpers import ALPHA, sample_continuations
+
+QUESTIONS = ["What is the capital of France? Answer in one sentence.",
+             "Write a Python function that reverses a string.",
+             "Copy this sentence exactly: the cat sat on the mat, and the cat sat on the mat."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    """SmolLM2 with its GGUF file's own 4-bit blocks, its default prophets at a fixed K of 8."""
+    return load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
+                dtype="int4")
+
+
+def _random_codes(n: int, k: int, seed: int) -> Codes:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return Codes(q, torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=gen) * 0.05)
+
+
+# ----------------------------------------------------------------- (a) the product
+@pytest.mark.parametrize("planes", [1, 2])
+def test_the_kernel_multiplies_what_the_codes_hold(planes):
+    """w = (q - 8) * scale + zero per group of 32 (the kernel's convention, not q * scale + zero),
+    products summed over planes, within the bf16 rounding of activations and outputs; rows
+    that are not a multiple of 16 are padded and sliced off."""
+    codes = [_random_codes(100, 96, seed) for seed in range(planes)]
+    weight = Int4Weight(codes)
+    x = torch.randn(2, 3, 96)
+    got = weight.mm(x)
+    assert got.shape == (2, 3, 100) and got.dtype == torch.float32
+    dense = sum(c.dequantize() for c in codes)
+    want = x.bfloat16().float() @ dense.T
+    tol = 2 ** -7 * float(want.abs().max())
+    assert float((got - want).abs().max()) < tol
+    other = sum(c.q.float() * c.scale.repeat_interleave(32, 1) + c.zero.repeat_interleave(32, 1) for c in codes)
+    assert float((got - x @ other.T).abs().max()) > 10 * tol  # the other convention is far off
+    assert weight.mm(torch.zeros(0, 96)).shape == (0, 100)
+    assert torch.equal(weight.first_rows(40).mm(x), got[..., :40])
+
+
+def test_q4_1_and_q8_0_quantizers_follow_llama_cpps_rules():
+    """Q4_1: per block d = (max - min)/15, m = min, every weight within d/2 (+ fp16 rounding);
+    Q8_0 as two 4-bit planes holds d*q exactly (up to bf16 scales)."""
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    (q4,) = quantize_q4_1(w)
+    d = q4.scale.repeat_interleave(32, 1)
+    m = (q4.zero - 8 * q4.scale).repeat_interleave(32, 1)
+    exact = (q4.q.float() - 8) * d + q4.zero.repeat_interleave(32, 1)
+    assert bool(((exact - w).abs() <= d * (0.5 + 16 / 2048) + m.abs() / 2048 + 1e-6).all())  # fp16 d and m
+    assert bool((m <= w.reshape(64, -1, 32).amin(-1).repeat_interleave(32, 1) + 1e-3).all())
+    hi, lo = quantize_q8_0(w)
+    blocks = w.reshape(64, -1, 32)
+    d8 = blocks.abs().amax(-1) / 127  # codes from the float32 scale, the fp16 one stored (as llama.cpp)
+    q8 = (blocks * (1 / d8)[..., None]).round().clamp(-127, 127)
+    want = (q8 * d8.half().bfloat16().float()[..., None]).reshape(64, 128)
+    assert torch.allclose(hi.dequantize() + lo.dequantize(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_smollm2_blocks_are_read_as_gguf_and_transformers_read_them(smollm2_int4):
+    """The GGUF's Q4_1 and Q8_0 bytes decode to gguf's own de-quantization, and (q/k rows
+    reordered as transformers does) to the float weights the converted model holds."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.gguf import read_tensors, smollm2_gguf
+
+    tensors = read_tensors(smollm2_gguf())
+    model = smollm2_int4.target.model
+    cfg = model.config
+    layer = model.model.layers[1]
+    cases = [("blk.1.attn_q.weight", read_q4_1, layer.self_attn.q_proj, cfg.num_attention_heads),
+             ("blk.1.attn_k.weight", read_q4_1, layer.self_attn.k_proj, cfg.num_key_value_heads),
+             ("blk.1.ffn_down.weight", read_q4_1, layer.mlp.down_proj, None),
+             ("token_embd.weight", read_q8_0, model.lm_head, None)]
+    for name, read, module, heads in cases:
+        t = tensors[name]
+        n, k = t.shape
+        n = min(n, 4096)  # the head's first rows
+        data = np.asarray(t.data[:n])
+        reference = torch.from_numpy(dequantize(data, GGMLQuantizationType[t.kind]).reshape(n, k).copy())
+        planes = read(data, n, k)
+        held = sum((p.q.float() - 8) * p.scale.repeat_interleave(32, 1) + p.zero.repeat_interleave(32, 1)
+                   for p in planes)
+        assert torch.allclose(held, reference, rtol=1e-5, atol=1e-6), name
+        index = unpermute_rows(n, heads) if heads else torch.arange(n)
+        assert torch.allclose(held[index], module.weight.detach()[:n].float(), rtol=1e-5, atol=1e-6), name
+    source = model.specdec_int4
+    assert source.origin == "gguf" and source.formats == {"Q4_1": 210, "Q8_0": 1}
+    assert smollm2_int4.target.int4 and isinstance(smollm2_int4.target.lm_head, Int4Weight)
+    assert smollm2_int4.target.head().dtype == torch.float32  # prophets read the float head
+
+
+# ----------------------------------------------------------------- (b) rows
+def test_each_row_is_computed_as_a_one_row_product_at_every_row_count(smollm2_int4):
+    """On this machine's kernel: row r of a product of m rows (m = 1..17, 24, 33) has the bits
+    of row r multiplied alone, for every product of SmolLM2 (and the head at the sizes that
+    verification uses); so the lean path runs them unpadded."""
+    lm = smollm2_int4.target
+    assert lm.int4_rows == "none"
+    for name in ("qkv", "o", "gate_up", "down"):
+        assert rows_invariant(lm.layers[0][name], (*range(1, 18), 24, 33), 34), name
+    assert rows_invariant(lm.lm_head, HEAD_PROBE_SIZES, 17)
+
+
+def test_a_verification_pass_scores_what_one_token_steps_score(smollm2_int4):
+    """The whole int4 forward: 9 tokens scored in one pass give, bit for bit, the logits of 9 one-token steps."""
+    lm = smollm2_int4.target.fresh()
+    prompt = smollm2_int4.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
+    tail = [504, 3458, 282, 4649, 314, 7042, 30, 216, 198]
+    lm.forward(prompt, 1)
+    together = lm.forward(tail, len(tail))
+    lm.truncate(len(prompt))
+    alone = torch.cat([lm.forward([t], 1) for t in tail])
+    assert torch.equal(together, alone)
+
+
+# ----------------------------------------------------------------- (c) greedy
+def test_speculative_int4_is_plain_int4_token_for_token(smollm2_int4):
+    plain = smollm2_int4.plain()
+    jobs = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
+    want = [plain.generate(**job, max_new_tokens=32, temperature=0).token_ids for job in jobs]
+    drafted = 0
+    for job, tokens in zip(jobs, want, strict=True):
+        got = smollm2_int4.generate(**job, max_new_tokens=32, temperature=0)
+        assert got.token_ids == tokens
+        drafted += sum(len(e.drafted) for e in got.events)
+    assert drafted > 32  # verification passes of many rows were scored
+    # batched (BatchLlama reads the same 4-bit weights): every row is plain decoding's
+    assert [g.token_ids for g in smollm2_int4.generate_many(jobs, max_new_tokens=32, temperature=0)] == want
+
+
+def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
+    """A model that is not a GGUF file is quantized here (Q4_1's rule, Q8_0 for the head);
+    the transformers backend has no int4 path."""
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=4, dtype=INT4)
+    assert decoder.target.model.specdec_int4.origin == "quantized" and decoder.target.int4
+    plain = decoder.plain()
+    for prompt in ("def main():", "import os\n"):
+        want = plain.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+        assert decoder.generate(prompt, max_new_tokens=24, temperature=0).token_ids == want
+    with pytest.raises(ValueError, match="lean path"):
+        load(tiny_pair["target"], draft="none", dtype="int4", backend="hf")
+
+
+# ----------------------------------------------------------------- (d) sampled
+def test_sampled_int4_speculation_fits_the_int4_targets_exact_distribution(tiny_pair):
+    """Chi-square (alpha 0.001): two-token continuations sampled speculatively (K = 3, a close
+    drafter) against the exact distribution of the int4 target, computed from its one-token
+    steps."""
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=3, dtype="int4")
+    prompt = decoder.tokenizer("def add(a, b):\n    return")["input_ids"]
+    lm = decoder.target.fresh()
+    first = torch.softmax(lm.forward(prompt, 1)[0], -1)
+    exact = {}
+    for t1 in torch.nonzero(first > 0).flatten().tolist():
+        if t1 in decoder.eos_token_ids:  # the continuation ends there
+            exact[(t1,)] = float(first[t1])
+            continue
+        second = torch.softmax(lm.forward([t1], 1)[0], -1)
+        lm.truncate(len(prompt))
+        for t2 in torch.nonzero(second > 0).flatten().tolist():
+            exact[(t1, t2)] = float(first[t1] * second[t2])
+    counts = sample_continuations(decoder, prompt, 2, 600, temperature=1.0)
+    result = goodness_of_fit(counts, exact, alpha=ALPHA)
+    assert result.passed, result.verdict

@@ -318,7 +318,8 @@ class SpeculativeDecoder:
 
         model = getattr(self.target, "model", None)
         return {"version": 2, "target": self.target.name, "target_class": type(self.target).__name__,
-                "dtype": str(getattr(model, "dtype", "")), "device": str(self.target.device),
+                "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
+                "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specdec.costmodel import (
     Costs,
@@ -173,8 +172,7 @@ class BatchLlama(LlamaWeights):
         x = self.embed[ids]  # (B, n, D)
         for i, w in enumerate(self.layers):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
-            gate, up = self._mm(self._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
-            x = x + self._mm(F.silu(gate) * up, w["down"])
+            x = x + self._mlp(x, w)
         self.forward_calls += 1
         m = max(n_logits)
         if m == 0:

@@ -44,13 +44,13 @@ def interleaved_minimums(fns: Mapping[int, Callable[..., object]], repeats: int,
     costs, and taking the functions in turn spreads a burst of noise over all of them
     instead of one (a median of 3 once stored v(2) = 1.8 plain steps against v(5) = 1.3)."""
     best = {key: float("inf") for key in fns}
-    for _ in range(repeats + 1):
+    for rep in range(repeats + 1):
         for key, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
             after()
-            if _ > 0:  # the first pass is the warm-up
+            if rep > 0:  # the first pass is the warm-up
                 best[key] = min(best[key], dt)
     return best
 

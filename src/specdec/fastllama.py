@@ -231,6 +231,15 @@ class LlamaWeights:
         """Where the weights, caches and every tensor this path makes live."""
         return self.embed.device
 
+    def _linear(self, x: torch.Tensor, w: dict[str, Any], name: str) -> torch.Tensor:
+        """x @ W.T for the product `name` of a layer's weights w."""
+        return self._mm(x, w[name])
+
+    def _mlp(self, x: torch.Tensor, w: dict[str, Any]) -> torch.Tensor:
+        """A layer's MLP on the residual stream x: down(silu(gate) * up) of its post-attention norm."""
+        gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, w, "down")
+
     @staticmethod
     def _layer_weights(layer: Any, int4: dict[str, Int4Weight]) -> dict[str, Any]:
         """The layer's norms and products (fused), each product 4-bit where `int4` holds it."""
@@ -296,7 +305,7 @@ class FastLlamaLM(LlamaWeights):
         """x @ W.T, with int8 weights (one scale per output row) when the model is quantized."""
         if self.int8:
             return torch._weight_int8pack_mm(x.to(self.act_dtype), w[name + ".q"], w[name + ".s"])
-        return self._mm(x, w[name])
+        return super()._linear(x, w, name)
 
     def _quantize(self, weights: dict[str, Any]) -> dict[str, Any]:
         out = dict(weights)
@@ -365,8 +374,7 @@ class FastLlamaLM(LlamaWeights):
         x = self.embed[torch.tensor(list(ids), device=self.device)]  # (n, D)
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask, solo)
-            gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, w, "down")
+            x = x + self._mlp(x, w)
         self.forward_calls += 1
         self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
         if not head:

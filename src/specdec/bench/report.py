@@ -12,9 +12,9 @@ from specdec.bench.runner import Config, Run, predicted_speedup
 from specdec.defaults import display_name
 
 
-def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tuple[list[float], bool]:
-    """Per (prompt, repeat) speedup of `name` over `baseline`, time per token; and whether
-    every greedy output was identical to the baseline's."""
+def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tuple[list[float], list[int]]:
+    """Per (prompt, repeat) speedup of `name` over `baseline`, time per token; and the prompt
+    of every greedy run whose output differs from the baseline's (empty: all identical)."""
     # runs of one prompt are in repeat order, so the i-th of each side pair up
     base: dict[int, list[Run]] = defaultdict(list)
     mine: dict[int, list[Run]] = defaultdict(list)
@@ -23,15 +23,16 @@ def _pair_ratios(runs: list[Run], name: str, baseline: str, greedy: bool) -> tup
             base[r.prompt].append(r)
         if r.config == name:
             mine[r.prompt].append(r)
-    ratios, identical = [], True
+    ratios: list[float] = []
+    mismatched: list[int] = []
     for key, rs in mine.items():
         for rep, r in enumerate(rs):
             b = base[key][rep]
             if greedy and r.tokens != b.tokens:
-                identical = False
+                mismatched.append(key)
             if r.tokens and b.tokens:
                 ratios.append((b.wall_s / len(b.tokens)) / (r.wall_s / len(r.tokens)))
-    return ratios, identical
+    return ratios, mismatched
 
 
 def _v_for(costs: dict[str, float], k: float) -> float:
@@ -51,7 +52,8 @@ def _v_for(costs: dict[str, float], k: float) -> float:
 def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
                      costs: dict[str, float]) -> dict[str, Any]:
     mine = [r for r in runs if r.config == cfg.name]
-    ratios, identical = _pair_ratios(runs, cfg.name, baseline, greedy)
+    ratios, mismatched = _pair_ratios(runs, cfg.name, baseline, greedy)
+    identical = not mismatched
     tokens = sum(len(r.tokens) for r in mine)
     wall = sum(r.wall_s for r in mine)
     row: dict[str, Any] = {"config": cfg.name, "kind": cfg.kind, "draft": display_name(cfg.draft), "policy": cfg.policy,
@@ -103,8 +105,8 @@ def by_category(runs: list[Run], configs: list[Config], baseline: str, greedy: b
         out[cfg.name] = {}
         for cat in categories:
             sub = [r for r in runs if r.category == cat]
-            ratios, identical = _pair_ratios(sub, cfg.name, baseline, greedy)
-            out[cfg.name][cat] = statistics.median(ratios) if ratios and (identical or not greedy) else None
+            ratios, mismatched = _pair_ratios(sub, cfg.name, baseline, greedy)
+            out[cfg.name][cat] = statistics.median(ratios) if ratios and not mismatched else None
     return out
 
 
@@ -165,17 +167,8 @@ def by_task(runs: list[Run], configs: list[Config], baseline: str, greedy: bool,
             base = [r for r in sub if r.config == baseline]
             if not mine or not base:
                 continue
-            ratios, _ = _pair_ratios(sub, cfg.name, baseline, greedy)
-            pairs: dict[int, list[Run]] = defaultdict(list)
-            for r in base:
-                pairs[r.prompt].append(r)
-            seen: dict[int, int] = defaultdict(int)
-            mismatches = []
-            for r in mine:  # the i-th run of a question pairs with the baseline's i-th
-                b = pairs[r.prompt][seen[r.prompt]]
-                seen[r.prompt] += 1
-                if greedy and r.tokens != b.tokens:
-                    mismatches.append(sources[r.prompt])
+            ratios, mismatched = _pair_ratios(sub, cfg.name, baseline, greedy)
+            mismatches = [sources[p] for p in mismatched]
             tokens, wall = sum(len(r.tokens) for r in mine), sum(r.wall_s for r in mine)
             base_tokens, base_wall = sum(len(r.tokens) for r in base), sum(r.wall_s for r in base)
             calls = sum(r.stats.get("target_calls", 0) for r in mine)

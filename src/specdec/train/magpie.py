@@ -21,7 +21,6 @@ Spec-Bench's questions are never read here.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import re
 import time
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from specdec.batch import BatchLlama
 from specdec.data.tasks import over_passage, passage_requests, task_prompts
 from specdec.fastllama import LlamaWeights
+from specdec.train.selfdistill import answer_into_shards, chat_ids
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -87,7 +87,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
         x = lm.embed[x_ids]
         for i, w in enumerate(lm.layers):
             h = lm._norm(x, w["in_norm"])
-            q, k, v = F.linear(h, w["qkv"]).split([lm.n_heads * hd, lm.n_kv * hd, lm.n_kv * hd], dim=-1)
+            q, k, v = lm._mm(h, w["qkv"]).split([lm.n_heads * hd, lm.n_kv * hd, lm.n_kv * hd], dim=-1)
             q = lm._rope(q.view(b, m, lm.n_heads, hd).transpose(1, 2), cos, sin)
             keys[i, :b, :, col : col + m] = lm._rope(k.view(b, m, lm.n_kv, hd).transpose(1, 2), cos, sin)
             values[i, :b, :, col : col + m] = v.view(b, m, lm.n_kv, hd).transpose(1, 2)
@@ -98,16 +98,15 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
             else:
                 a = F.scaled_dot_product_attention(q, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
                                                    attn_mask=mask)
-            x = x + F.linear(a.transpose(1, 2).reshape(b, m, -1), w["o"])
-            gate, up = F.linear(lm._norm(x, w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
+            x = x + lm._mm(a.transpose(1, 2).reshape(b, m, -1), w["o"])
+            x = x + lm._mlp(x, w)
         return lm._norm(x, lm.final_norm)
 
     h = run(ids, 0)
     if keep_hidden:
         for b in range(n):
             hidden[b].append(h[b, int(pad[b]) :].to(torch.bfloat16).cpu())
-    logits = F.linear(h[:, -1], lm.lm_head).float()
+    logits = lm._mm(h[:, -1], lm.lm_head).float()
     col = width
     alive = [True] * n  # per batch row: still generating
     for step in range(max_new):
@@ -130,7 +129,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
             for j, a in enumerate(alive):
                 if a:
                     hidden[int(rows[j])].append(h[j : j + 1].to(torch.bfloat16).cpu())
-        logits = F.linear(h, lm.lm_head).float()
+        logits = lm._mm(h, lm.lm_head).float()
     result = []
     for b in range(n):
         hs = torch.cat(hidden[b]) if keep_hidden else None
@@ -176,11 +175,6 @@ def magpie_questions(lm: BatchLlama, tokenizer: Any, n: int, batch: int, gen: to
     return found[:n]
 
 
-def _chat_ids(tokenizer: Any, text: str) -> list[int]:
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-
 def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_tasks: int, seed: int,
                   log: Any = print) -> list[dict[str, str]]:
     """The prompt list (saved once in work/prompts.pt so resumed runs answer the same ones)."""
@@ -189,7 +183,7 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
         return torch.load(path, weights_only=False)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    questions = magpie_questions(lm, tokenizer, n_magpie, 128, gen, log)
+    questions = magpie_questions(lm, tokenizer, n_magpie, min(128, max(1, n_magpie)), gen, log)
     log(f"magpie questions in {time.perf_counter() - t0:.0f}s")
     prompts = [{"category": "magpie", "text": q} for q in questions]
     prompts += [{"category": c, "text": t} for c, t in task_prompts(n_tasks - n_tasks // 4, seed)]
@@ -198,7 +192,7 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     passages = []
     end = int(tokenizer.eos_token_id)
     for i in range(0, len(requests), 64):
-        enc = [_chat_ids(tokenizer, r) for r in requests[i : i + 64]]
+        enc = [chat_ids(tokenizer, r) for r in requests[i : i + 64]]
         for toks, _ in continue_rows(lm, enc, 320, {end}, 0.7, 1.0, gen, False):
             if toks and toks[-1] == end and len(toks) > 60:
                 passages.append(tokenizer.decode(toks[:-1]).strip())
@@ -208,7 +202,7 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     from specdec.data.chat import chat_prompts
 
     own = chat_prompts(n_tasks // 12 + 1, heldout=False, seed=seed + 7)[: n_tasks // 3]
-    prompts += [{"category": "own-" + p.category, "text": p.messages()[-1]["content"]} for p in own]
+    prompts += [{"category": "own-" + p.category, "text": p.text} for p in own]
     random.Random(seed).shuffle(prompts)
     torch.save(prompts, path)
     return prompts
@@ -217,44 +211,28 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
 def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size: int = 128, max_new: int = 256,
              temperatures: tuple[float, ...] = (0.0, 0.7, 1.0), seed: int = 0, minutes: float | None = None,
              log: Any = print) -> Path:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from specdec.wiring import default_draft_dtype, load_pretrained
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_pretrained(target, default_draft_dtype())
     lm = BatchLlama(model, target, batch_size)
     prompts = build_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
-    ids = [_chat_ids(tokenizer, p["text"]) for p in prompts]
+    ids = [chat_ids(tokenizer, p["text"]) for p in prompts]
     batches = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
     deadline = time.monotonic() + minutes * 60 if minutes is not None else None  # 0: answer nothing more
     stop = {int(tokenizer.eos_token_id)}
-    total = 0
-    with Progress(TextColumn("broad self-distillation data"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), console=Console(stderr=True)) as bar:
-        task = bar.add_task("", total=len(batches), tok="")
-        for bi, batch in enumerate(batches):
-            path = out_dir / f"shard-{bi:05d}.pt"
-            if path.exists():
-                bar.update(task, advance=1)
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                log(f"time budget reached at batch {bi}")
-                break
-            temperature = temperatures[bi % len(temperatures)]
-            gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}-{bi}".encode()).hexdigest()[:8], 16))
-            t0 = time.perf_counter()
-            rows = continue_rows(lm, [ids[i] for i in batch], max_new, stop, temperature, 1.0, gen, True)
-            new = sum(len(r[0]) for r in rows)
-            total += new
-            shard = {"ids": [ids[i] + r[0] for i, r in zip(batch, rows, strict=True)],
-                     "hidden": [r[1] for r in rows], "prompt_len": [len(ids[i]) for i in batch],
-                     "category": [prompts[i]["category"] for i in batch], "temperature": temperature}
-            tmp = path.with_suffix(".tmp")
-            torch.save(shard, tmp)
-            os.replace(tmp, path)
-            bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s, {total:,} this run")
+
+    def answer(bi: int) -> tuple[dict[str, Any], int]:
+        batch = batches[bi]
+        temperature = temperatures[bi % len(temperatures)]
+        gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}-{bi}".encode()).hexdigest()[:8], 16))
+        rows = continue_rows(lm, [ids[i] for i in batch], max_new, stop, temperature, 1.0, gen, True)
+        return {"ids": [ids[i] + r[0] for i, r in zip(batch, rows, strict=True)],
+                "hidden": [r[1] for r in rows], "prompt_len": [len(ids[i]) for i in batch],
+                "category": [prompts[i]["category"] for i in batch],
+                "temperature": temperature}, sum(len(r[0]) for r in rows)
+
+    answer_into_shards(out_dir, list(range(len(batches))), deadline, "broad self-distillation data", answer, log)
     return out_dir
 
 

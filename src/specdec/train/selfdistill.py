@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,41 @@ def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
         ids[i, width - len(s):] = torch.tensor(s)
         mask[i, width - len(s):] = 1
     return ids, mask
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """A user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def answer_into_shards(out_dir: Path, visit: list[int], deadline: float | None, label: str,
+                       answer: Callable[[int], tuple[dict[str, Any], int]], log: Any = print) -> None:
+    """Answer batch `bi` for each bi in `visit` into out_dir/shard-{bi}.pt, one batch at a time,
+    written atomically: a batch already there is skipped (a rerun resumes) and none is started
+    past `deadline` (time.monotonic()). answer(bi) returns the shard and its new tokens."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    total = 0
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("", total=len(visit), tok="")
+        for done_batches, bi in enumerate(visit):
+            path = out_dir / f"shard-{bi:05d}.pt"
+            if path.exists():
+                bar.update(task, advance=1)
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"time budget reached after {done_batches} batches")
+                break
+            t0 = time.perf_counter()
+            shard, new = answer(bi)
+            total += new
+            tmp = path.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            os.replace(tmp, path)
+            bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s, {total:,} this run")
 
 
 @torch.inference_mode()
@@ -84,9 +120,6 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
                   temperatures: list[float], seed: int = 0, minutes: float | None = None,
                   dtype: torch.dtype = torch.float32, log: Any = print) -> Path:
     """Answer `n_prompts` training prompts (all four categories) into shards under out_dir."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from specdec.wiring import load_pretrained
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,10 +130,7 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
     model.eval()
     eos = int(tokenizer.eos_token_id)
     prompts = chat_prompts(n_prompts // 4 + 1, heldout=False, seed=seed)[:n_prompts]
-    ids = []
-    for p in prompts:
-        enc = tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True)
-        ids.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch: less padding
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     # Batches of similar lengths, visited in a fixed random order: a run stopped by its time
@@ -109,32 +139,17 @@ def generate_data(target: str, out_dir: Path, n_prompts: int, batch_size: int, m
     random.Random(seed).shuffle(visit)
     deadline = time.monotonic() + minutes * 60 if minutes else None
     generator = torch.Generator().manual_seed(seed)
-    with Progress(TextColumn("self-distillation data"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[tok]}"), TimeRemainingColumn(), transient=False,
-                  console=Console(stderr=True)) as bar:
-        task = bar.add_task("", total=len(batches), tok="")
-        tokens_done = 0
-        for done_batches, bi in enumerate(visit):
-            batch = batches[bi]
-            path = out_dir / f"shard-{bi:05d}.pt"
-            if path.exists():
-                bar.update(task, advance=1)
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                log(f"time budget reached after {done_batches} batches")
-                break
-            temperature = temperatures[bi % len(temperatures)]
-            t0 = time.perf_counter()
-            rows = answer_batch(model, [ids[i] for i in batch], max_new, eos, temperature, generator)
-            new = sum(len(r[0]) - len(ids[i]) for r, i in zip(rows, batch, strict=True))
-            tokens_done += new
-            shard = {"ids": [r[0] for r in rows], "hidden": [r[1] for r in rows],
-                     "prompt_len": [len(ids[i]) for i in batch], "category": [prompts[i].category for i in batch],
-                     "temperature": temperature}
-            tmp = path.with_suffix(".tmp")
-            torch.save(shard, tmp)
-            os.replace(tmp, path)
-            bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s")
+
+    def answer(bi: int) -> tuple[dict[str, Any], int]:
+        batch = batches[bi]
+        temperature = temperatures[bi % len(temperatures)]
+        rows = answer_batch(model, [ids[i] for i in batch], max_new, eos, temperature, generator)
+        new = sum(len(r[0]) - len(ids[i]) for r, i in zip(rows, batch, strict=True))
+        return {"ids": [r[0] for r in rows], "hidden": [r[1] for r in rows],
+                "prompt_len": [len(ids[i]) for i in batch], "category": [prompts[i].category for i in batch],
+                "temperature": temperature}, new
+
+    answer_into_shards(out_dir, visit, deadline, "self-distillation data", answer, log)
     done = len(list(out_dir.glob("shard-*.pt")))
     (out_dir / "DONE").write_text(f"{done} of {len(batches)} batches\n")
     return out_dir

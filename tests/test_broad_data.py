@@ -53,3 +53,30 @@ def test_continue_rows_matches_one_row_greedy_decoding_and_keeps_every_hidden_st
         assert ref == toks
         exact = torch.cat(feats)[: hidden.shape[0]]
         torch.testing.assert_close(hidden.float(), exact.float(), atol=0.05, rtol=0.02)
+
+
+def test_generate_writes_shards_the_prophets_training_reads_and_resumes(tmp_path):
+    """End to end on SmolLM2 (the only target with the chat template Magpie feeds): the
+    target writes questions and passages, answers every prompt into shards, a rerun answers
+    nothing again, and specdec.train.features reads the shards."""
+    from specdec.train.features import load_shards
+    from specdec.train.magpie import generate
+
+    out = tmp_path / "broad"
+    torch.manual_seed(0)
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=6, seed=1, log=lambda *a: None)
+    prompts = torch.load(out / "prompts.pt", weights_only=False)
+    kinds = {p["category"] for p in prompts}
+    assert "magpie" in kinds and any(k.startswith("own-") for k in kinds) and len(prompts) >= 8
+    shards = sorted(out.glob("shard-*.pt"))
+    assert len(shards) == -(-len(prompts) // 4)
+    first = torch.load(shards[0], weights_only=True)
+    for ids, hidden, p_len in zip(first["ids"], first["hidden"], first["prompt_len"], strict=True):
+        assert p_len < len(ids) <= p_len + 6 and hidden.shape == (len(ids) - 1, 576)
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=6, seed=1, log=lambda *a: None)
+    assert [s.stat().st_mtime_ns for s in shards] == stamps  # resumed: nothing answered twice
+    data = load_shards(out, 1)
+    assert data.n_answer_tokens == sum(len(i) - p for s in shards
+                                       for i, p in zip(torch.load(s, weights_only=True)["ids"],
+                                                       torch.load(s, weights_only=True)["prompt_len"], strict=True))

@@ -165,6 +165,11 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
         assert decoder.generate(prompt, max_new_tokens=24, temperature=0).token_ids == want
     with pytest.raises(ValueError, match="lean path"):
         load(tiny_pair["target"], draft="none", dtype="int4", backend="hf")
+    # the stored step costs of an int4 target are its own, never a float32 target's
+    float32 = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=4)
+    assert decoder.costs_key()["int4"] and not float32.costs_key()["int4"]
+    assert {k: v for k, v in decoder.costs_key().items() if k != "int4"} == \
+        {k: v for k, v in float32.costs_key().items() if k != "int4"}
 
 
 # ----------------------------------------------------------------- (d) sampled

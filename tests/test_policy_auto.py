@@ -161,3 +161,29 @@ def test_a_probe_that_pays_brings_the_prophet_back():
         k = policy.next_k("eagle")
         policy.observe(RoundOutcome(k, k, 0.0, 0.0, k, "eagle") if k else plain_round())
     assert policy.next_k("eagle") >= 2 and policy.evidence["eagle"].backoff == 4
+
+
+def test_step_costs_are_the_fastest_of_interleaved_repeats_and_the_verify_curve_never_falls():
+    from specdec.costmodel import interleaved_minimums, monotone
+
+    calls = []
+    times = {1: iter([9.0, 0.5, 0.2, 0.7]), 2: iter([9.0, 0.3, 0.9, 0.4])}  # the first call of each is the warm-up
+    clock = [0.0]
+
+    def timed(key):
+        def fn():
+            calls.append(key)
+            clock[0] += next(times[key])
+        return fn
+
+    import specdec.costmodel as cm
+
+    real = cm.time.perf_counter
+    cm.time.perf_counter = lambda: clock[0]
+    try:
+        best = interleaved_minimums({1: timed(1), 2: timed(2)}, 3, after=lambda: calls.append("after"))
+    finally:
+        cm.time.perf_counter = real
+    assert calls == [1, "after", 2, "after"] * 4  # taken in turn, `after` after every call
+    assert best == pytest.approx({1: 0.2, 2: 0.3})
+    assert monotone({1: 1.0, 2: 1.8, 3: 1.4, 5: 1.3, 6: 2.0}) == {1: 1.0, 2: 1.8, 3: 1.8, 5: 1.8, 6: 2.0}

@@ -172,6 +172,19 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
         {k: v for k, v in float32.costs_key().items() if k != "int4"}
 
 
+def test_the_default_dtype_is_int4_for_a_gguf_target_and_float32_for_other_models(tiny_pair):
+    """`load` with no dtype (`--dtype default`): a GGUF target's own 4-bit weights on the CPU;
+    a model that is not a GGUF file keeps its float32 weights (int4 would quantize them); the
+    transformers backend has no int4 path, so there the default is float32 too."""
+    from specdec.wiring import resolve_dtype
+
+    assert load("smollm2", draft="none").weights == "int4"
+    assert load("smollm2", draft="none", backend="hf").weights == "float32"
+    assert load("smollm2", draft="none", dtype="float32").weights == "float32"
+    assert load(tiny_pair["target"], draft="none").weights == "float32"
+    assert resolve_dtype("default") is None
+
+
 # ----------------------------------------------------------------- (d) sampled
 def test_sampled_int4_speculation_fits_the_int4_targets_exact_distribution(tiny_pair):
     """Chi-square (alpha 0.001): two-token continuations sampled speculatively (K = 3, a close

@@ -21,6 +21,7 @@ from specdec.policy import make_policy
 from specdec.wiring import (
     build_drafters,
     default_draft_dtype,
+    default_target_int4,
     eos_ids,
     load_pretrained,
     resolve_device,
@@ -34,7 +35,7 @@ __all__ = ["batch_engine", "default_draft_dtype", "load", "resolve_device", "res
 
 
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
-         draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str = torch.float32,
+         draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
     """A decoder for `target` with the drafter(s) described by `draft`.
@@ -60,10 +61,12 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     else float32). A drafter's precision never affects exactness (the verifier tests the q
     it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
     reads each step.
-    dtype: the target's weights: torch.float32 (default), torch.bfloat16, or "int4" (the
-    lean path multiplies 4-bit weights natively on the CPU: a GGUF file's own Q4_1 blocks,
-    e.g. smollm2's, else the float weights quantized the same way; see specdec.int4);
-    names as `--dtype` takes them ("float32", "bfloat16", "auto", "int4") are accepted.
+    dtype: the target's weights: None (default: "int4" for a GGUF target such as smollm2 on
+    the CPU, whose file holds 4-bit weights; float32 for every other model), torch.float32,
+    torch.bfloat16, or "int4" (the lean path multiplies 4-bit weights natively on the CPU: a
+    GGUF file's own Q4_1 blocks, else the float weights quantized the same way; see
+    specdec.int4); names as `--dtype` takes them ("default", "float32", "bfloat16", "auto",
+    "int4") are accepted.
     device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (a GPU when there is one).
     Weights, caches, drafts and the verifier's random numbers all live there; only the
     accepted token ids come back to the host, once per round.
@@ -78,8 +81,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     where = resolve_device(device)
     weights = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     int4 = weights == INT4  # float32 weights, then the 4-bit products beside them
-    model, tokenizer = load_pretrained(target_name, torch.float32 if int4 else weights, trust_remote_code,
-                                       role="target", device=where)
+    model, tokenizer = load_pretrained(target_name, torch.float32 if int4 or weights is None else weights,
+                                       trust_remote_code, role="target", device=where)
+    if weights is None:
+        int4 = default_target_int4(target_name, model, where, backend)
     if int4:
         attach_int4(model, target_name, backend, where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
@@ -91,7 +96,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
                               eos_ids(model, tokenizer))
 
 
-def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str = torch.float32,
+def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str | None = None,
                  draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
     """A BatchEngine with `slots` cache slots over what `load` builds. target: a path, hub id
     or "smollm2"; draft: None (plain) or a `--draft` spec with a batched path: "ngram", a

@@ -29,8 +29,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "first when a feature prophet is among them, else tree")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto", "int4"],
-                   help="the target's weights (auto: bfloat16 where the CPU computes it natively; int4: 4-bit "
+    p.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
+                   help="the target's weights (default: int4 for a GGUF target such as smollm2 on the CPU, float32 "
+                        "for other models; auto: bfloat16 where the CPU computes it natively; int4: 4-bit "
                         "weights multiplied natively on the CPU, a GGUF file's own Q4_1 blocks such as smollm2's, "
                         "lean path only). Greedy output equals plain decoding's in each on the lean path (Llama "
                         "models); with the transformers backend in bfloat16, a pass over K+1 tokens rounds "
@@ -469,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default=None)
     b.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
     b.add_argument("--drafter", default=None)
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="the target's weights for every configuration")
+    b.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
+                   help="the target's weights for every configuration (default: as `specdec run` loads the "
+                        "target: int4 for smollm2 on the CPU, float32 for other models)")
     b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench"],
                    help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2); "
                         "spec-bench: Spec-Bench's questions (--questions), plain decoding against the target's "

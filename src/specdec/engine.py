@@ -310,6 +310,13 @@ class SpeculativeDecoder:
             raise ValueError("a prompt (text or token ids) or messages is needed")
         return prompt
 
+    @property
+    def weights(self) -> str:
+        """The target's weights as `--dtype` names them: "int4" (4-bit products), "float32", "bfloat16"."""
+        if getattr(self.target, "int4", False):
+            return "int4"
+        return str(getattr(getattr(self.target, "model", None), "dtype", "float32")).removeprefix("torch.")
+
     def costs_key(self) -> dict[str, Any]:
         """What the step costs depend on: the models, prophets, K, precision, device and machine."""
         import platform

@@ -39,17 +39,34 @@ def default_draft_dtype(device: torch.device | None = None) -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """float32, bfloat16, auto (bfloat16 where the CPU computes it natively), or int4: a
-    target's 4-bit weights on the lean path (specdec.int4), named torch.quint4x2 here."""
+def resolve_dtype(name: str) -> torch.dtype | None:
+    """default (None: `load` chooses, see default_target_int4), float32, bfloat16, auto
+    (bfloat16 where the CPU computes it natively), or int4: a target's 4-bit weights on the
+    lean path (specdec.int4), named torch.quint4x2 here."""
     from specdec.int4 import INT4
 
+    if name == "default":
+        return None
     if name == "auto":
         return default_draft_dtype()
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": INT4}
     if name not in dtypes:
-        raise ValueError(f"dtype must be float32, bfloat16, auto or int4, got {name!r}")
+        raise ValueError(f"dtype must be default, float32, bfloat16, auto or int4, got {name!r}")
     return dtypes[name]
+
+
+def default_target_int4(name: str, model: Any, device: torch.device, backend: str) -> bool:
+    """Whether a target loaded with no dtype asked for runs its 4-bit weights (int4) rather
+    than float32: yes where the target is a GGUF file (smollm2's, or a .gguf path) on the CPU's
+    lean path with PyTorch's int4 kernel. The 4-bit kernel multiplies the very weights the
+    file holds (float32 only de-quantizes them), several times faster per step (README,
+    "4-bit target"); greedy speculative output stays equal to plain int4 decoding. Other
+    models keep float32 weights."""
+    from specdec.fastllama import supports
+    from specdec.gguf import is_alias
+
+    return (device.type == "cpu" and backend != "hf" and (is_alias(name) or name.lower().endswith(".gguf"))
+            and supports(model) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:

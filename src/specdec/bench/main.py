@@ -86,7 +86,7 @@ def _draft_spec(spec: str, drafter_path: str) -> str:
 
 
 def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None,
-                dtype: torch.dtype = torch.float32, device: str = "cpu") -> Runner:
+                dtype: torch.dtype | None = None, device: str = "cpu") -> Runner:
     from specdec.api import load
     from specdec.defaults import bundled_drafter, default_target
 
@@ -159,7 +159,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")),
+    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
                          getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     tok = plain.tokenizer
@@ -195,7 +195,8 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         gen = runner.decoders[main.name].generate(prompt_ids[0], seed=0, **settings)
         pics.append(plot_timeline(gen.events, out_dir / f"timeline-{tag}.png", tokenizer=tok,
                                   title=f"{main.name}, {tag}: one generation"))
-    return {"mode": tag, "settings": settings, "costs": costs, "rows": rows, "by_category": cats,
+    return {"mode": tag, "settings": settings, "target_weights": plain.weights, "costs": costs, "rows": rows,
+            "by_category": cats,
             "plots": [Path(p).name for p in pics],  # beside bench.json
             "runs": [{"config": r.config, "prompt": r.prompt, "category": r.category, "tokens": len(r.tokens),
                       "wall_s": r.wall_s} for r in runs]}
@@ -225,7 +226,7 @@ def run_bench(args: Any) -> dict[str, Any]:
     machine = _machine(args)
     device = getattr(args, "device", "cpu")
     report = {"command": args.command_line, "machine": machine, "quick": args.quick, "device": device,
-              "target_dtype": getattr(args, "dtype", "float32"),
+              "target_dtype": results[0]["target_weights"] if results else getattr(args, "dtype", "default"),
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
@@ -352,7 +353,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     configs = specbench_configs(target, args.draft or ["default"])
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, {}, target, args.drafter, resolve_dtype(getattr(args, "dtype", "float32")),
+    runner = load_runner(configs, {}, target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
                          getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     chat = bool(getattr(plain.tokenizer, "chat_template", None))
@@ -378,7 +379,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     machine = _machine(args)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
-              "device": getattr(args, "device", "cpu"), "target_dtype": getattr(args, "dtype", "float32"),
+              "device": getattr(args, "device", "cpu"), "target_dtype": plain.weights,
               "questions_file": display_name(str(args.questions)), "per_task": per_task,
               "prompt_format": "chat template" if chat else "raw text (the target has no chat template)",
               "prompts_cut": cut, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,

@@ -107,7 +107,7 @@ class SpecdecReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self.node = socket.gethostname()
         self.hub = hub
-        kwargs = {**spec.load, "dtype": resolve_dtype(spec.load.get("dtype") or "float32")}
+        kwargs = {**spec.load, "dtype": resolve_dtype(spec.load.get("dtype") or "default")}
         decoder = await asyncio.to_thread(load, **kwargs)
         self.app = create_app(decoder, spec.model_name, spec.config)
         self._replace_metrics_route()

@@ -516,3 +516,27 @@ def test_greedy_and_sampled_rows_side_by_side_are_each_exact(drafter):
     counts = Counter(tuple(r.generated) for r in requests[::2])
     result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, hot), ALPHA)
     assert result.passed, result
+
+
+def test_a_rows_policy_observes_its_share_of_the_steps_time(tiny_pair):
+    """A row's policy sees each drafted round with a draft and a target time of its own (the
+    step's times shared by its rows), never zeros: a policy that reads timings decides from
+    what the batched step really cost."""
+    from specdec.policy import Policy
+
+    class Recording(Policy):
+        def __init__(self, k: int) -> None:
+            super().__init__(k)
+            self.seen: list = []
+
+        def observe(self, outcome) -> None:
+            self.seen.append(outcome)
+
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    requests = [Request(r.prompt, r.max_new_tokens, r.params, r.k, policy=Recording(r.k) if r.k else None)
+                for r in mixed_requests(engine.target.vocab_size)]
+    engine.generate(requests)
+    outcomes = [o for r in requests if r.policy is not None for o in r.policy.seen]
+    drafted = [o for o in outcomes if o.drafted]
+    assert drafted and all(o.draft_s > 0 and o.target_s > 0 and o.draft_calls == 1 for o in drafted)
+    assert all(o.target_s > 0 for o in outcomes)

@@ -544,8 +544,10 @@ class BatchEngine:
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.drafter.name if self.drafter else None] * len(active)
         events = []
+        # Each row's share of the step's time: the draft's and the target pass's, split evenly.
+        share = ((d1 - d0) / len(active), (self.last_spans[1][1] - d1) / len(active))
         for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
-            events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b]))
+            events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
             # The next token came from the head at the last accepted position: its feature
             # is where a feature prophet starts next step (none if the commit was cut short).
             r.feature = hidden[b, v.n_accepted] if hidden is not None and len(events[-1].committed) == \
@@ -748,8 +750,10 @@ class BatchEngine:
         return Costs(t_verify[1], t_verify, max(by_name.values(), default=0.0), 1, by_name)
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
-                prophet: str | None = None) -> StepEvent:
-        """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context."""
+                prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0)) -> StepEvent:
+        """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context;
+        the row's policy observes the round with the row's share of the step's draft and
+        target time."""
         before = len(req.context)
         for token in [*drafted[:n_accepted], next_token]:
             req.generated.append(token)
@@ -758,7 +762,8 @@ class BatchEngine:
             if req.finish_reason:
                 break
         if req.policy is not None and self.drafter is not None:
-            req.policy.observe(RoundOutcome(len(drafted), n_accepted, 0.0, 0.0, 0, prophet if drafted else None))
+            req.policy.observe(RoundOutcome(len(drafted), n_accepted, share[0], share[1], 1 if drafted else 0,
+                                            prophet if drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = min(req.draft_cached, before + n_accepted)

@@ -485,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", action="append", default=None, metavar="SPEC",
                    help="--suite spec-bench: the prophets to measure, as specdec.load's draft (repeatable, one "
                         "configuration each; default: default, the target's own prophets with its own K and policy)")
+    b.add_argument("--peers", default=None, metavar="NAMES",
+                   help="other engines decoding the same prompts, interleaved with specdec's configurations (comma "
+                        "list): llama.cpp (llama-cpp-python on the target's own GGUF file, plain and its prompt "
+                        'lookup; pip install -e ".[llamacpp]")')
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from specdec.bench.peers import attach_peers, check_peers, peer_info, peer_summary, peers_markdown
 from specdec.bench.report import (
     SPEC_BENCH_LEADERBOARD,
     by_category,
@@ -157,6 +158,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
+    configs += getattr(args, "peer_configs", [])
     from specdec.wiring import resolve_dtype
 
     runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
@@ -169,6 +171,8 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         prompt_ids = [plain.chat_ids(p.messages())[-room:] for p in prompts]
     else:
         prompt_ids = [list(tok(p.text)["input_ids"])[-room:] for p in prompts]
+    runner = attach_peers(runner, configs, args.target or default_target(), prompt_ids, args.max_new_tokens,
+                          plain.eos_token_ids)
     # warm-up: every configuration once on the first prompt, not recorded
     for cfg in configs:
         runner.run(cfg, prompt_ids[0], seed=0)
@@ -183,9 +187,11 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         task = bar.add_task(f"bench ({tag})", total=total)
         runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
                            on_run=lambda r: bar.update(task, advance=1))
-    rows = [summarize_config(runs, cfg, "plain", greedy, costs) for cfg in configs]
+    # a peer's greedy tokens need not equal plain's (other kernels): its speedup is not withheld for it
+    rows = [summarize_config(runs, cfg, "plain", greedy and cfg.kind != "peer", costs) for cfg in configs]
     categories = list(CHAT_CATEGORIES if args.chat else CATEGORIES)
-    cats = by_category(runs, configs, "plain", greedy, categories)
+    cats = by_category(runs, [c for c in configs if c.kind != "peer"], "plain", greedy, categories)
+    cats.update(by_category(runs, [c for c in configs if c.kind == "peer"], "plain", False, categories))
     out_dir = Path(args.out)
     pics = plots(rows, cats, categories, runs, main.name, out_dir, tag)
     # one generation of the main configuration, as a timeline
@@ -195,8 +201,10 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
         gen = runner.decoders[main.name].generate(prompt_ids[0], seed=0, **settings)
         pics.append(plot_timeline(gen.events, out_dir / f"timeline-{tag}.png", tokenizer=tok,
                                   title=f"{main.name}, {tag}: one generation"))
+    peers = ({"peers": peer_summary(runs, configs, rows, greedy, peer_info(runner))}
+             if any(c.kind == "peer" for c in configs) else {})
     return {"mode": tag, "settings": settings, "target_weights": plain.weights, "costs": costs, "rows": rows,
-            "by_category": cats,
+            "by_category": cats, **peers,
             "plots": [Path(p).name for p in pics],  # beside bench.json
             "runs": [{"config": r.config, "prompt": r.prompt, "category": r.category, "tokens": len(r.tokens),
                       "wall_s": r.wall_s} for r in runs]}
@@ -212,6 +220,7 @@ def run_bench(args: Any) -> dict[str, Any]:
         if getattr(args, attr, None) is not None:
             raise SpecdecError(f"{flag} goes with --suite spec-bench (the other suites choose prophets with "
                                "--configs and --drafter)")
+    args.peer_configs = check_peers(getattr(args, "peers", None), args.target or default_target())
     console = Console(stderr=True)
     torch.manual_seed(0)
     out_dir = Path(args.out)
@@ -238,6 +247,8 @@ def run_bench(args: Any) -> dict[str, Any]:
                   f"t_target(K+1)/t_target(1) for K=4: {c['v_4']:.2f}; t_target(1) = {1e3 * c['t_target_1']:.1f} ms")
         md.append(markdown(res["rows"], res["by_category"], list(CHAT_CATEGORIES if args.chat else CATEGORIES),
                            header))
+        if "peers" in res:
+            md.append(peers_markdown(res["peers"], res["target_weights"]))
         table = Table(title=f"specdec bench ({res['mode']})")
         for key in ["config", "speedup", "min-max", "tok/s", "accept", "alpha", "tok/round", "c", "v", "pred",
                     "meas/pred", "other", "same"]:
@@ -250,6 +261,8 @@ def run_bench(args: Any) -> dict[str, Any]:
                           _f(r.get("measured_over_predicted")), _f(r.get("other_fraction"), ".1%"),
                           _f(r.get("identical_to_plain")))
         console.print(table)
+        if "peers" in res:
+            console.print(peers_markdown(res["peers"], res["target_weights"]), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
     bf16 = "computes bf16 natively" if report["machine"]["native_bf16"] else "no native bf16 (fp32 drafters)"
     console.print(f"machine: {report['machine']['cpu']}, {bf16}")
@@ -320,10 +333,16 @@ def specbench_configs(target: str, drafts: list[str]) -> list[Config]:
 
 
 def _specbench_result(mode: str, settings: dict[str, Any], configs: list[Config], runs: list[Run], tasks: list[str],
-                      sources: list[str]) -> dict[str, Any]:
+                      sources: list[str], peers: dict[str, Any] | None = None) -> dict[str, Any]:
     greedy = mode == "greedy"
-    return {"mode": mode, "settings": dict(settings), "tasks": by_task(runs, configs, "plain", greedy, tasks, sources),
-            "rows": [summarize_config(runs, cfg, "plain", greedy, {}) for cfg in configs],
+    # a peer's greedy tokens need not equal plain's (other kernels): its speedup is not withheld for it
+    ours, others = [c for c in configs if c.kind != "peer"], [c for c in configs if c.kind == "peer"]
+    rows = [summarize_config(runs, cfg, "plain", greedy and cfg.kind != "peer", {}) for cfg in configs]
+    extra = {"peers": peer_summary(runs, configs, rows, greedy, peers or {})} if others else {}
+    return {"mode": mode, "settings": dict(settings),
+            "tasks": by_task(runs, ours, "plain", greedy, tasks, sources)
+            + by_task(runs, others, "plain", False, tasks, sources),
+            "rows": rows, **extra,
             "runs": [{"config": r.config, "question": sources[r.prompt], "task": r.category, "tokens": len(r.tokens),
                       "wall_s": r.wall_s, "target_calls": r.stats.get("target_calls"),
                       "drafted": r.stats.get("drafted"), "accepted": r.stats.get("accepted")} for r in runs]}
@@ -343,6 +362,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in ("greedy", "sampling") for m in modes):
         raise SpecdecError(f"--modes: greedy, sampling or both (greedy,sampling), not {args.modes!r}")
+    peer_configs = check_peers(getattr(args, "peers", None), args.target or default_target())
     console = Console(stderr=True)
     torch.manual_seed(0)
     out_dir = Path(args.out)
@@ -350,7 +370,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = args.target or default_target()
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
-    configs = specbench_configs(target, args.draft or ["default"])
+    configs = specbench_configs(target, args.draft or ["default"]) + peer_configs
     from specdec.wiring import resolve_dtype
 
     runner = load_runner(configs, {}, target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
@@ -362,6 +382,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
             else list(plain.tokenizer(p.text)["input_ids"]) for p in prompts]
     cut = sum(len(ids) > room for ids in full)
     prompt_ids = [ids[-room:] for ids in full]  # keep the end of a prompt that would leave no room
+    runner = attach_peers(runner, configs, target, prompt_ids, args.max_new_tokens, plain.eos_token_ids)
     tasks = list(dict.fromkeys(p.category for p in prompts))
     sources = [p.source for p in prompts]
     results = []
@@ -375,7 +396,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
                 runner.run(cfg, prompt_ids[0], seed=0)
             runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
                                on_run=lambda r: bar.update(job, advance=1))
-            results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources))
+            results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources, peer_info(runner)))
     machine = _machine(args)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
@@ -402,6 +423,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
     for res in results:
         md.append(specbench_markdown(res["tasks"], f"### {res['mode']}"))
         md.append(markdown(res["rows"], {}, [], "All questions, per configuration (the bench's usual figures):"))
+        if "peers" in res:
+            md.append(peers_markdown(res["peers"], plain.weights))
         table = Table(title=f"specdec bench --suite spec-bench ({res['mode']})")
         for key in ["config", "task", "n", "speedup", "min-max", "tok/pass", "accept", "same"]:
             table.add_column(key)
@@ -416,6 +439,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
                 console.print(f"[bold red]MISMATCH ({res['mode']}, {r['config']}): greedy speculative output differs "
                               f"from plain decoding on {len(r['mismatches'])} question(s): "
                               f"{', '.join(r['mismatches'])}; their speedups are withheld[/]")
+        if "peers" in res:
+            console.print(peers_markdown(res["peers"], plain.weights), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
     console.print(f"machine: {machine_line(machine)}")
     console.print(f"wrote bench.json and bench.md to {out_dir} in {time.perf_counter() - t0:.0f}s")

@@ -66,6 +66,11 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
     stats = [r.stats for r in mine if r.stats]
     if not stats:
         return row
+    if "rounds" not in stats[0]:  # another engine's runs (bench.peers): its passes and drafts only
+        calls, drafted = sum(s.get("target_calls", 0) for s in stats), sum(s.get("drafted", 0) for s in stats)
+        row.update(tokens_per_round=tokens / calls if calls else None, target_calls=calls / len(stats),
+                   acceptance_rate=sum(s.get("accepted", 0) for s in stats) / drafted if drafted else None)
+        return row
     rounds = sum(s["rounds"] for s in stats)
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,7 +40,7 @@ from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
-from specdec.sampling import SamplingParams, check_logits, logits_to_probs, sample
+from specdec.sampling import SamplingParams, check_logits, check_sampling, couple, draw, logits_to_probs
 
 
 class BatchLM(Protocol):
@@ -196,6 +196,7 @@ class Request:
     seed: int | None = None
     policy: Policy | None = None  # this request's own K policy (e.g. AutoPolicy); None: always k
     prophets: frozenset[str] | None = None  # of the engine's prophets, those that may draft for it (None: all)
+    sampling: str = "rejection"  # or "coupled": draws keyed by (seed, position) (specdec.sampling)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
     error: str | None = None  # why the engine refused this request (the others in its step go on)
@@ -219,6 +220,8 @@ class Request:
             self.policy.reset(self.k)  # its state is this request's alone
         self.seed_used = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(self.seed_used)  # moved to the engine's device on admission
+        if check_sampling(self.sampling) == "coupled" and self.params.coupled is None:
+            self.params = replace(self.params, coupled=self.seed_used)
 
     @property
     def context(self) -> list[int]:
@@ -290,7 +293,8 @@ class ModelBatchDrafter:
             for i, b in enumerate(live):
                 req = reqs[b]
                 req.draft_cached += len(feeds[b])
-                token = greedy[i] if req.params.greedy else int(sample(q[i], req.generator))
+                token = greedy[i] if req.params.greedy else draw(q[i], req.params, req.generator,
+                                                                    len(req.context) + j)
                 feeds[b] = [token]
                 tokens[b].append(token)
         return BatchDraft(tokens, probs)
@@ -362,7 +366,9 @@ class FeatureBatchDrafter:
             if drawing:  # generator's draws never depend on how long the rows beside it draft
                 q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
                 for n, i in enumerate(drawing):
-                    picked[i] = int(p.vocab_ids[sample(q[n], reqs[rows[i]].generator)])
+                    req = reqs[rows[i]]
+                    picked[i] = draw(q[n], req.params, req.generator, len(req.context) + j - 1, p.vocab_ids,
+                                     self.vocab_size)
                     probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
             for i, b in enumerate(rows):
                 if k_rows[i] >= j:
@@ -532,6 +538,9 @@ class BatchEngine:
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
+        for b, r in enumerate(active):  # a coupled row: each position one-hot on its keyed draw
+            if r.params.coupled is not None:
+                target_probs[b] = couple(target_probs[b], r.params, len(r.context))
         self.last_spans = ((d0, d1), (d1, time.perf_counter()))
         # 4. Ragged verification.
         k_max = max(lens)
@@ -809,7 +818,7 @@ class BatchEngine:
                                     SamplingParams(job.get("temperature", TEMPERATURE), job.get("top_k"),
                                                    job.get("top_p", TOP_P)),
                                     k if self.drafter is not None else 0, job.get("seed"),
-                                    make_policy(decoder.policy.name, k)))
+                                    make_policy(decoder.policy.name, k), sampling=job.get("sampling", "rejection")))
         t0 = time.perf_counter()
         events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
         width = self.target.slots

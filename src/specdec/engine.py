@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from specdec.events import RoundEvent, finish_reason
 from specdec.generation import Generation
 from specdec.lm import CausalLM, sync
 from specdec.policy import Policy, RoundOutcome, make_policy
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, check_sampling, couple, logits_to_probs
 from specdec.stats import summarize
 from specdec.text import IncrementalText
 from specdec.verify import DraftTree, verify_chain, verify_tree
@@ -159,13 +159,14 @@ class SpeculativeDecoder:
                  temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                  seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                  messages: Sequence[dict[str, str]] | None = None,
-                 prophets: Sequence[str] | None = None, policy: str | None = None) -> Generation:
+                 prophets: Sequence[str] | None = None, policy: str | None = None,
+                 sampling: str = "rejection") -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         prompt = self._chat_or_prompt(prompt, messages)
         runner = self._claim()
         try:
             req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
-                                stop, prophets, policy)
+                                stop, prophets, policy, sampling)
             events = list(runner._rounds(req, release_text=False))
         finally:
             self._release(runner)
@@ -199,7 +200,7 @@ class SpeculativeDecoder:
                       **settings: Any) -> list[Generation]:
         """Generate for many prompts; each may be a dict carrying its own settings
         ({"prompt" or "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-        "draft_tokens"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
+        "draft_tokens", "sampling"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
         feature prophet, or ngram and a feature prophet with multi "first" on a Llama target,
         they run as one batch (specdec.batch: rows join and leave, each accepts its own number
         of tokens); otherwise (other prophets, stop strings) one after another. Either way
@@ -210,7 +211,7 @@ class SpeculativeDecoder:
         jobs = [{**settings, **item} for item in items]
         for job in jobs:
             unknown = set(job) - {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                  "draft_tokens", "stop"}
+                                  "draft_tokens", "stop", "sampling"}
             if unknown:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
         from specdec.wiring import engine_for
@@ -224,17 +225,22 @@ class SpeculativeDecoder:
                temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                messages: Sequence[dict[str, str]] | None = None,
-               prophets: Sequence[str] | None = None, policy: str | None = None) -> Iterator[RoundEvent]:
+               prophets: Sequence[str] | None = None, policy: str | None = None,
+               sampling: str = "rejection") -> Iterator[RoundEvent]:
         """Yield one event per round; each carries the text it releases (`event.text`).
         `messages` ([{"role": ..., "content": ...}], instead of a prompt) is formatted with the
         tokenizer's chat template; the template's end token ends the answer. `prophets`: only
         these of the loaded prophets draft for this request (by name; None: all). `policy`: a
-        K policy of another kind for this request ("auto", "fixed", ...; None: the decoder's)."""
+        K policy of another kind for this request ("auto", "fixed", ...; None: the decoder's).
+        `sampling`: "rejection" (default: the verifier's own draws) or "coupled" (every draw
+        keyed by the seed and the token's position, so a seeded output equals seeded plain
+        coupled sampling token for token, whatever the prophets, K or batch; an exact sample
+        of the target either way, see specdec.sampling)."""
         prompt = self._chat_or_prompt(prompt, messages)
         runner = self._claim()
         try:
             req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
-                                stop, prophets, policy)
+                                stop, prophets, policy, sampling)
             yield from runner._rounds(req, release_text=True)
         finally:  # also when the caller closes or drops the stream early
             self._release(runner)
@@ -252,8 +258,10 @@ class SpeculativeDecoder:
     # ----------------------------------------------------------------- a request
     def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
                draft_tokens: int | None, stop: str | Sequence[str] | None,
-               prophets: Sequence[str] | None = None, policy_name: str | None = None) -> _Request:
+               prophets: Sequence[str] | None = None, policy_name: str | None = None,
+               sampling: str = "rejection") -> _Request:
         allowed = check_prophets(prophets, [d.name for d in self.drafters])
+        coupled = check_sampling(sampling) == "coupled"
         ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -273,7 +281,10 @@ class SpeculativeDecoder:
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         gen = torch.Generator(device=self.target.device)  # the verifier's random numbers live with the logits
-        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed_used = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+        gen.manual_seed(seed_used)
+        if coupled:
+            params = replace(params, coupled=seed_used)
         for d in self.drafters:
             d.reset()
         self.target.truncate(0)
@@ -474,7 +485,8 @@ class SpeculativeDecoder:
             logits, req.hidden = self.target.forward_features(feed + drafted, len(drafted) + 1)
         else:
             logits = self.target.forward(feed + drafted, len(drafted) + 1)
-        return logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
+        probs = logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
+        return couple(probs, req.params, len(req.context))  # coupled: each row one-hot on its keyed draw
 
     def _verify_chain(self, req: _Request, draft: Draft | None, k: int, start: float, index: int) -> RoundEvent:
         tokens = draft.tokens if draft else []
@@ -500,6 +512,11 @@ class SpeculativeDecoder:
         feed = sync(self.target, req.context)
         logits = self.target.forward_tree(feed, tree.tokens, tree.parents)
         target_probs = logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
+        depth: list[int] = []
+        for parent in tree.parents:  # a parent comes before its children
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+        at = len(req.context)  # the root's position; a node's children are one past its own
+        target_probs = couple(target_probs, req.params, at, [at] + [at + d + 1 for d in depth])
         t1 = time.perf_counter()
         verdict = verify_tree(tree, target_probs, req.generator)
         self.target.keep_tree_path(len(feed), verdict.path, tree.tokens)

@@ -4,12 +4,20 @@ Pure functions. The same `SamplingParams` are applied to the target's logits (p)
 a drafter's logits (q), so that the verifier compares the two distributions that are
 really sampled from. Temperature 0 means greedy: the distribution is one-hot on the
 argmax (ties broken toward the lowest id, as `torch.argmax` does).
+
+Coupled sampling (`SamplingParams.coupled`, `sampling="coupled"`): the token at absolute
+position t is argmax_i p_i / E_i, with E_i exponentials keyed by (seed, t) alone (the
+exponential race, the Gumbel-max trick without logarithms): an exact sample of p, whose
+random numbers depend on nothing but the seed and the position. The target's choice so made
+is a one-hot p for the verifier; a prophet drafting at the same position with the same keyed
+numbers proposes the target's own choice whenever q is close to p. The output is then the
+seeded plain decoder's, token for token, whatever the prophet, K or batch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +31,15 @@ class InvalidLogitsError(ValueError):
     """A model produced NaN or +inf logits, or logits that leave no token to sample."""
 
 
+SAMPLING_MODES = ("rejection", "coupled")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = None  # keep the k most probable tokens; None or 0 = all
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = all
+    coupled: int | None = None  # the seed of keyed draws (coupled sampling); None: the request's generator draws
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, int | float) or math.isnan(self.temperature) or self.temperature < 0:
@@ -38,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 or None = off), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.coupled is not None and (not isinstance(self.coupled, int) or isinstance(self.coupled, bool)):
+            raise ValueError(f"the coupling seed must be an integer, got {self.coupled!r}")
 
     @property
     def greedy(self) -> bool:
@@ -109,3 +123,56 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
         last = flat.shape[-1] - 1 - (flat > 0).flip(-1).int().argmax(-1)
         ids = torch.where(over, last, ids)
     return ids.reshape(probs.shape[:-1])
+
+
+# ----------------------------------------------------------------- coupled sampling
+def check_sampling(mode: object) -> str:
+    """A request's sampling mode: "rejection" (the verifier's own draws, the default) or
+    "coupled" (draws keyed by seed and position; see the module's docstring)."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {mode!r}")
+    return str(mode)
+
+
+def keyed_exponentials(seed: int, position: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """n standard exponentials (float64) that depend on (seed, position) alone: one per token
+    id of the vocabulary, the same for the target and every prophet, in every batch."""
+    key = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 63)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(key)
+    return torch.empty(n, dtype=torch.float64, device=device).exponential_(generator=gen)
+
+
+def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The token of a coupled draw at `position` from probs (V,): argmax p_i / E_i with the
+    keyed exponentials. A token of probability 0 never wins."""
+    return int(torch.argmax(probs.double() / keyed_exponentials(seed, position, probs.shape[-1], probs.device)))
+
+
+def draw(q: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, position: int,
+         ids: torch.Tensor | None = None, vocab_size: int | None = None) -> int:
+    """A drafted token at absolute `position` from q (V,), or from q over the draft vocabulary
+    `ids`: the argmax when greedy, the coupled draw when the request is coupled, else a draw
+    from the request's generator. Returns a token id of the full vocabulary."""
+    if params.greedy:
+        i = int(q.argmax())
+    elif params.coupled is not None:
+        if ids is None:
+            return coupled_choice(q, params.coupled, position)
+        e = keyed_exponentials(params.coupled, position, vocab_size or int(ids.max()) + 1, q.device)[ids]
+        i = int(torch.argmax(q.double() / e))
+    else:
+        i = int(sample(q, generator))
+    return int(ids[i]) if ids is not None else i
+
+
+def couple(probs: torch.Tensor, params: SamplingParams, start: int,
+           positions: Sequence[int] | None = None) -> torch.Tensor:
+    """The target's distributions (R, V) for a coupled request: each row one-hot on its
+    coupled draw at position start + row (or positions[row]); unchanged otherwise. The
+    verifier then accepts a drafted token exactly when it is that draw."""
+    if params.coupled is None or params.greedy:
+        return probs
+    rows = positions if positions is not None else range(start, start + probs.shape[0])
+    picks = [coupled_choice(probs[r], params.coupled, t) for r, t in enumerate(rows)]
+    return torch.nn.functional.one_hot(torch.tensor(picks, device=probs.device), probs.shape[-1]).to(probs.dtype)

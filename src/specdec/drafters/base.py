@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specdec.sampling import KeepDrafting, SamplingParams, logits_to_probs, sample
+from specdec.sampling import KeepDrafting, SamplingParams, draw, logits_to_probs
 
 # KeepDrafting (sampling.py): called after each drafted token with that step's q (V,);
 # returning False stops drafting early (the confidence policy).
@@ -80,16 +80,17 @@ def span() -> float:
 
 def draft_autoregressively(step: Callable[[list[int]], torch.Tensor], feed: list[int], k: int, name: str,
                            params: SamplingParams, generator: torch.Generator | None,
-                           keep_drafting: KeepDrafting | None) -> Draft:
+                           keep_drafting: KeepDrafting | None, position: int = 0) -> Draft:
     """The drafting loop shared by model-based drafters: step(ids) -> logits (V,) of the
-    last id; each drafted token is fed back; q is recorded for the verifier."""
+    last id; each drafted token is fed back; q is recorded for the verifier. position: the
+    absolute position of the first drafted token (where coupled draws are keyed)."""
     draft = Draft([], None, name)
     rows: list[torch.Tensor] = []
-    for _ in range(k):
+    for j in range(k):
         t0 = span()
         logits = step(feed)  # (V,)
         q = logits_to_probs(logits, params, who=f"drafter '{name}'")
-        token = int(q.argmax()) if params.greedy else int(sample(q, generator))
+        token = draw(q, params, generator, position + j)
         draft.step_spans.append((t0, span()))
         draft.tokens.append(token)
         rows.append(q)

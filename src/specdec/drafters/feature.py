@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import Draft, KeepDrafting, span
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams, draw, logits_to_probs
 
 
 class ResidualMLP(nn.Module):
@@ -213,7 +213,7 @@ class FeatureDrafter:
             # instead of 1.3 at temperature 1)
             sub = self.draft_logits(h)
             q = logits_to_probs(sub, params, who=who)
-            token = int(self.vocab_ids[q.argmax() if params.greedy else sample(q, generator)])
+            token = draw(q, params, generator, len(context) + step - 1, self.vocab_ids, self.vocab_size)
             draft.step_spans.append((t0, span()))
             draft.tokens.append(token)
             draft.forward_calls += 1

@@ -38,7 +38,8 @@ class LayerSkipDrafter(FeatureBlind):
         base = len(self.target.tokens)
         calls0 = self.target.forward_calls
         try:
-            draft = draft_autoregressively(self._step, feed, k, self.name, params, generator, keep_drafting)
+            draft = draft_autoregressively(self._step, feed, k, self.name, params, generator, keep_drafting,
+                                           len(context))
         finally:
             self.target.end_early_exit(base)
         draft.forward_calls = self.target.forward_calls - calls0

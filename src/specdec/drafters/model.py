@@ -27,7 +27,7 @@ class ModelDrafter(FeatureBlind):
         feed = sync(self.lm, context)
         calls0 = self.lm.forward_calls
         draft = draft_autoregressively(lambda ids: self.lm.forward(ids, 1)[0], feed, k, self.name, params,
-                                       generator, keep_drafting)
+                                       generator, keep_drafting, len(context))
         draft.forward_calls = self.lm.forward_calls - calls0
         return draft
 

@@ -28,11 +28,23 @@ def test_generate_many_equals_one_at_a_time_greedy(tiny_pair, tiny_eagle, draft)
         assert out.token_ids == want.token_ids and out.text == want.text and out.finish_reason == want.finish_reason
 
 
-def test_generate_many_with_stop_strings_runs_one_by_one(tiny_pair):
+def test_generate_many_with_stop_strings_runs_batched_and_stops_as_generate_does(tiny_pair, monkeypatch):
+    """Stop strings are finished in one place (specdec.finish) for every path: the batched
+    rows stop where `generate` stops, with the same tokens, text, finish reason and stats."""
+    from specdec.engine import SpeculativeDecoder
+
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"])
-    outs = decoder.generate_many(["def f(", "import "], max_new_tokens=12, temperature=0.0, stop=["\n"])
-    for p, out in zip(["def f(", "import "], outs, strict=True):
-        assert out.token_ids == decoder.generate(p, max_new_tokens=12, temperature=0.0, stop=["\n"]).token_ids
+    prompts = ["def f(", "import ", "class A:", {"prompt": "x = [", "stop": ["]", ","]}]
+    want = [decoder.generate(**({"prompt": p} if isinstance(p, str) else p), max_new_tokens=24, temperature=0.0,
+                             **({} if isinstance(p, dict) else {"stop": ["\n", "):"]})) for p in prompts]
+    assert sum(w.finish_reason == "stop" for w in want) >= 2  # the case this test is about
+    called = []
+    monkeypatch.setattr(SpeculativeDecoder, "generate", lambda *a, **k: called.append(1))  # no fallback
+    outs = decoder.generate_many(prompts, max_new_tokens=24, temperature=0.0, stop=["\n", "):"])
+    assert not called
+    for out, w in zip(outs, want, strict=True):
+        assert (out.token_ids, out.text, out.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        assert out.stats.new_tokens == len(out.token_ids) == sum(len(e.committed) for e in out.events)
 
 
 def test_generate_many_rejects_unknown_settings(tiny_pair):

@@ -38,6 +38,7 @@ from specdec.drafters.ngram import lookup
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
+from specdec.finish import Finish, check_stops
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
 from specdec.sampling import SamplingParams, check_logits, check_sampling, couple, draw, logits_to_probs
@@ -819,6 +820,8 @@ class BatchEngine:
                                                    job.get("top_p", TOP_P)),
                                     k if self.drafter is not None else 0, job.get("seed"),
                                     make_policy(decoder.policy.name, k), sampling=job.get("sampling", "rejection")))
+        finishes = {id(r): Finish(decoder.tokenizer, check_stops(job.get("stop"), decoder.tokenizer))
+                    for r, job in zip(requests, jobs, strict=True)}
         t0 = time.perf_counter()
         events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
         width = self.target.slots
@@ -827,15 +830,20 @@ class BatchEngine:
             while waiting and len(running) < width:
                 running.append(waiting.popleft())
             for e in self.step(running):
-                row = events[id(e.request)]
-                row.append(self.round_event(e, len(row), t0))
+                r, row = e.request, events[id(e.request)]
+                before = len(r.generated) - len(e.committed)
+                keep = finishes[id(r)].cut(r.generated, before)
+                if keep is not None:  # a stop string: the row ends here (specdec.finish)
+                    del r.generated[keep:]
+                    r.finish_reason = "stop"
+                    self.release(r)
+                row.append(self.round_event(e, len(row), t0, r.generated[before:], finish_reason=r.finish_reason))
             running = [r for r in running if not r.done]
         out = []
         for r in requests:
             evs = events[id(r)]
-            text = decoder._final_text_of(r.generated)
-            out.append(Generation(text, list(r.generated), list(r.prompt), r.finish_reason or "length", evs,
-                                  summarize(evs)))
+            out.append(Generation(finishes[id(r)].final_text(r.generated), list(r.generated), list(r.prompt),
+                                  r.finish_reason or "length", evs, summarize(evs)))
         return out
 
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:

@@ -27,12 +27,12 @@ from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
+from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
 from specdec.lm import CausalLM, sync
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.sampling import SamplingParams, check_sampling, couple, logits_to_probs
 from specdec.stats import summarize
-from specdec.text import IncrementalText
 from specdec.verify import DraftTree, verify_chain, verify_tree
 
 
@@ -45,17 +45,13 @@ class _Request:
     max_new_tokens: int
     params: SamplingParams
     generator: torch.Generator
-    stop: list[str]
+    finish: Finish  # its stop strings and released text (specdec.finish)
     t0: float
     finish_reason: str | None = None
-    stop_at: int | None = None  # character where a stop string begins
-    text_sent: int = 0  # characters of text already released to the stream
     hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
     recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
-    text: IncrementalText | None = None  # the answer's text, decoded incrementally (None: no tokenizer)
     prophets: frozenset[str] | None = None  # the loaded prophets that may draft for it (None: all)
     policy: Policy = field(default_factory=Policy)  # its K policy: the decoder's (reset for it), or its own
-    decoded: int = 0  # characters of its text after the previous round (where the stop search resumes)
 
     @property
     def generated(self) -> list[int]:
@@ -203,7 +199,7 @@ class SpeculativeDecoder:
         "draft_tokens", "sampling"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
         feature prophet, or ngram and a feature prophet with multi "first" on a Llama target,
         they run as one batch (specdec.batch: rows join and leave, each accepts its own number
-        of tokens); otherwise (other prophets, stop strings) one after another. Either way
+        of tokens); otherwise (other prophets) one after another. Either way
         each result follows the target's distribution exactly, and greedy results are the
         tokens `generate` gives for that prompt alone (a sampled row's auto K depends on the
         batch size, so its seed fixes its output for that batch only)."""
@@ -216,7 +212,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
         from specdec.wiring import engine_for
 
-        engine = engine_for(self, max_batch) if not any(job.get("stop") for job in jobs) else None
+        engine = engine_for(self, max_batch)
         if engine is None:
             return [self.generate(**job) for job in jobs]
         return engine.run_jobs(self, jobs)
@@ -275,11 +271,7 @@ class SpeculativeDecoder:
                 self._costs = self.policy.costs or self.stored_costs()
             policy.costs = self._costs
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        stops = check_stops(stop, self.tokenizer)
         gen = torch.Generator(device=self.target.device)  # the verifier's random numbers live with the logits
         seed_used = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
         gen.manual_seed(seed_used)
@@ -288,9 +280,9 @@ class SpeculativeDecoder:
         for d in self.drafters:
             d.reset()
         self.target.truncate(0)
-        return _Request(ids, len(ids), max_new_tokens, params, gen, stops, time.perf_counter(),
-                        recent={d.name: 1.0 for d in self.drafters}, prophets=allowed, policy=policy,
-                        text=IncrementalText(self.tokenizer) if self.tokenizer is not None else None)
+        return _Request(ids, len(ids), max_new_tokens, params, gen, Finish(self.tokenizer, stops),
+                        time.perf_counter(), recent={d.name: 1.0 for d in self.drafters}, prophets=allowed,
+                        policy=policy)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""
@@ -541,8 +533,10 @@ class SpeculativeDecoder:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
-        if req.stop:
-            self._apply_stop_strings(req, before)
+        keep = req.finish.cut(req.generated, before - req.n_prompt)
+        if keep is not None:
+            del req.context[req.n_prompt + keep :]
+            req.finish_reason = "stop"
         event.committed = req.context[before:]
         sync(self.target, req.context)
         for d in self.drafters:
@@ -554,48 +548,9 @@ class SpeculativeDecoder:
                 d.see_feature(len(req.context) - 2, req.hidden[event.accepted])
         req.hidden = None
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def _apply_stop_strings(self, req: _Request, before: int) -> None:
-        assert req.text is not None
-        text = req.text(req.generated)
-        longest = max(len(s) for s in req.stop)
-        # Resume where the last round's text ended, less a stop string's length and the
-        # few characters an incomplete UTF-8 tail may have shown as U+FFFD.
-        search_from = max(0, req.decoded - longest - 4)
-        req.decoded = len(text)
-        hits = [(pos, s) for s in req.stop if (pos := text.find(s, search_from)) >= 0]
-        if not hits:
-            return
-        pos, s = min(hits)
-        # Keep the fewest tokens whose text reaches the end of the stop string.
-        for j in range(before - req.n_prompt + 1, len(req.generated) + 1):
-            if len(self._decode(req.generated[:j])) >= pos + len(s):
-                del req.context[req.n_prompt + j :]
-                break
-        req.finish_reason = "stop"
-        req.stop_at = pos
-
-    def _final_text_of(self, generated: Sequence[int]) -> str:
-        return self._decode(generated) if self.tokenizer is not None else ""
-
     def _final_text(self, req: _Request) -> str:
-        if req.text is None:
-            return ""
-        text = req.text(req.generated)
-        return text[: req.stop_at] if req.stop_at is not None else text
+        return req.finish.final_text(req.generated)
 
     def _release_text(self, req: _Request) -> str:
-        """Text a stream may show now: never a half-decoded UTF-8 character, and never text
-        that a stop string could still cut away."""
-        if self.tokenizer is None:
-            return ""
-        text = self._final_text(req)
-        if req.finish_reason is None:
-            text = text.rstrip("\ufffd")
-            if req.stop:
-                text = text[: max(req.text_sent, len(text) - max(len(s) for s in req.stop) + 1)]
-        delta = text[req.text_sent :]
-        req.text_sent = max(req.text_sent, len(text))
-        return delta
+        """Text a stream may show now (specdec.finish)."""
+        return req.finish.release(req.generated, req.finish_reason is not None)

@@ -36,16 +36,15 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, Request, StepEvent
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
+from specdec.finish import Finish
 from specdec.policy import make_policy
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
-from specdec.text import IncrementalText
 from specdec.wiring import engine_for
 
 log = logging.getLogger("specdec.server")
@@ -71,6 +70,7 @@ class Job:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     draft_tokens: int | None = None
+    sampling: str = "rejection"  # or "coupled": draws keyed by (seed, position) (specdec.sampling)
     plain: bool = False  # plain decoding (no prophet), e.g. the web view's side-by-side run
     prophets: list[str] | None = None  # which of the loaded prophets may draft (None: all)
     policy: str | None = None  # its K policy's kind (None: the decoder's)
@@ -159,11 +159,9 @@ class _Row:
     stream: JobStream
     request: Request
     t0: float  # perf_counter when it joined: event times are relative to it
+    finish: Finish  # its stop strings and the text its stream has been sent (specdec.finish)
     rounds: int = 0
-    text_sent: int = 0  # characters released so far
-    decoded: int = 0  # characters of its text after the previous step (where stop search resumes)
     tokens: int = 0
-    text: IncrementalText | None = None  # its answer's text, decoded incrementally
     kv_bytes: int = 0  # the cache memory reserved for it (see Scheduler.kv_need)
 
 
@@ -384,7 +382,7 @@ class Scheduler:
         run.rounds = decoder.stream(job.ids, max_new_tokens=job.max_tokens, temperature=job.temperature,
                                     top_k=job.top_k, top_p=job.top_p, seed=job.seed, draft_tokens=k,
                                     stop=job.stop or None, prophets=None if job.plain else job.prophets,
-                                    policy=None if job.plain else job.policy)
+                                    policy=None if job.plain else job.policy, sampling=job.sampling)
 
     def _run_round(self, run: _Running) -> None:
         stream, now = run.stream, time.monotonic()
@@ -427,13 +425,15 @@ class Scheduler:
             try:
                 req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
                               job.seed, make_policy(job.policy or self.decoder.policy.name, k) if k else None,
-                              frozenset(job.prophets) if job.prophets is not None else None)
+                              frozenset(job.prophets) if job.prophets is not None else None,
+                              sampling=job.sampling)
             except (SpecdecError, ValueError) as e:
                 self._end(stream, End("error", str(e), 400))
                 continue
             stream.started = time.monotonic()
             self.metrics.queue_wait.observe(stream.started - stream.arrived)
-            self._rows.append(_Row(stream, req, time.perf_counter(), kv_bytes=need))
+            self._rows.append(_Row(stream, req, time.perf_counter(), Finish(self.decoder.tokenizer, job.stop or ()),
+                                   kv_bytes=need))
             self._kv_reserved += need
         self.metrics.queue_depth.set(len(self._pending))
         self.metrics.batch_size.set(len(self._rows))
@@ -471,21 +471,12 @@ class Scheduler:
             return
         before = len(req.generated) - len(e.committed)
         finish = e.finish_reason
-        text = ""
-        tok = self.decoder.tokenizer
-        if tok is not None:
-            row.text = row.text or IncrementalText(tok)
-            text = row.text(req.generated)
-            if stream.job.stop and (cut := self._stop(row, text, before)) is not None:
-                text, finish = text[:cut], "stop"
-                engine.release(req)
-            row.decoded = len(text)
-            if finish is None:
-                text = text.rstrip("\ufffd")
-                if stream.job.stop:
-                    text = text[: max(row.text_sent, len(text) - max(len(s) for s in stream.job.stop) + 1)]
-        delta = text[row.text_sent:]
-        row.text_sent = max(row.text_sent, len(text))
+        keep = row.finish.cut(req.generated, before)
+        if keep is not None:
+            del req.generated[keep:]
+            req.finish_reason = finish = "stop"
+            engine.release(req)
+        delta = row.finish.release(req.generated, finish is not None)
         committed = req.generated[before:]
         event = engine.round_event(e, row.rounds, row.t0, committed, delta, finish)
         row.rounds += 1
@@ -497,23 +488,6 @@ class Scheduler:
         stream.post(self._round_item(stream.job, event))
         if finish is not None:
             self._finish_row(engine, row, End("done"))
-
-    def _stop(self, row: _Row, text: str, before: int) -> int | None:
-        """Where a stop string begins in the row's text, cutting its tokens to the fewest
-        whose text reaches the end of that stop string; None when none appears."""
-        stops, req = row.stream.job.stop, row.request
-        search_from = max(0, row.decoded - max(len(s) for s in stops) - 4)  # 4: a U+FFFD tail may shrink
-        hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
-        if not hits:
-            return None
-        pos, s = min(hits)
-        tok = self.decoder.tokenizer
-        for j in range(before + 1, len(req.generated) + 1):
-            if len(_decode(tok, req.generated[:j])) >= pos + len(s):
-                del req.generated[j:]
-                break
-        req.finish_reason = "stop"
-        return pos
 
     def _finish_row(self, engine: BatchEngine, row: _Row, end: End) -> None:
         engine.release(row.request)
@@ -552,7 +526,3 @@ class Scheduler:
             self._pending.clear()
         for stream in left:
             self._end(stream, End("shutdown", "the server is shutting down", 503))
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    return str(tok.decode(ids, skip_special_tokens=True))

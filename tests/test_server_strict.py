@@ -70,6 +70,11 @@ LENIENT = [
     ({"temperature": True}, "temperature", "both"),
     ({"temperature": "1"}, "temperature", "both"),
     ({"top_p": False}, "top_p", "both"),
+    ({"sampling": "gumbel"}, "sampling", "both"),
+    ({"sampling": "Coupled"}, "sampling", "both"),
+    ({"sampling": 1}, "sampling", "both"),
+    ({"sampling": True}, "sampling", "both"),
+    ({"sampling": ["coupled"]}, "sampling", "both"),
     ({"n": True}, "n", "both"),
     ({"n": 2}, "n", "both"),
     ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage", "both"),
@@ -126,6 +131,7 @@ NEUTRAL = [
     {"temperature": 1}, {"temperature": 0}, {"top_p": 1}, {"top_k": 0}, {"top_k": 1_000_000}, {"seed": 2**63 - 1},
     {"stream": False}, {"stream_options": {"include_usage": False}}, {"user": "u-1"}, {"metadata": {"k": "v"}},
     {"specdec": {"draft_tokens": 2, "rounds": False}}, {"max_tokens": None},
+    {"sampling": "rejection"}, {"sampling": "coupled"}, {"sampling": "coupled", "seed": 3}, {"sampling": None},
 ]
 NEUTRAL_CASES = ([(e, x) for e in ENDPOINTS for x in NEUTRAL]
                  + [("chat", {"logprobs": False}), ("completions", {"logprobs": 0}),
@@ -190,7 +196,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=6)
 ALL_FIELDS = sorted({p.strip() for p in FIELDS} | {"tools", "tool_choice", "functions", "function_call",
                                                      "response_format", "modalities", "audio", "prediction",
-                                                     "stop", "user", "model", "suffix", "specdec.draft",
+                                                     "stop", "user", "model", "suffix", "specdec.draft", "sampling",
                                                      "specdec.policy", "stream_options", "specdec", "messages",
                                                      "prompt", "logit_bias"})
 

@@ -111,7 +111,7 @@ def _stats_table(stats: Any, title: str) -> Any:
 
 def _read_prompts(path: str, chat: bool) -> list[dict[str, Any]]:
     """One prompt per line: plain text, or a JSON object with "prompt" or "messages" and its
-    own settings (max_new_tokens, temperature, top_k, top_p, seed, draft_tokens)."""
+    own settings (max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, sampling)."""
     try:
         lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
@@ -150,24 +150,36 @@ def _generate_many(args: argparse.Namespace, decoder: Any, settings: dict[str, A
     return 0
 
 
+def _same_as_plain(args: argparse.Namespace) -> bool:
+    """Whether speculative and plain decoding must give the same tokens: greedy, or coupled
+    sampling with a seed (the same keyed draws on both sides)."""
+    return args.temperature == 0 or (args.sampling == "coupled" and args.seed is not None)
+
+
 def _greedy_difference(args: argparse.Namespace) -> str:
-    if args.temperature != 0:
+    if not _same_as_plain(args):
         return ""
+    what = "greedy" if args.temperature == 0 else "seeded coupled"
     if args.dtype in ("bfloat16", "auto"):
-        return (" (greedy tokens differ from plain decoding: with a bfloat16 target on the transformers backend, "
+        return (f" ({what} tokens differ from plain decoding: with a bfloat16 target on the transformers backend, "
                 "scoring several tokens in one pass rounds differently from scoring one at a time)")
-    return " (greedy tokens differ from plain decoding)"
+    return f" ({what} tokens differ from plain decoding)"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from specdec.sampling import SAMPLING_MODES
+
     if (args.prompt is None) == (args.prompts_file is None):
         raise SpecdecError("give a prompt or --prompts-file FILE (not both)")
+    if args.sampling not in SAMPLING_MODES:  # before the models load; one line, exit 2
+        raise SpecdecError(f"--sampling must be one of {', '.join(SAMPLING_MODES)}, got {args.sampling!r}")
     decoder = _load(args)
     chat = _chat(args, decoder)
     settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None,
+                                    sampling=args.sampling)
     if chat:  # the prompt is the user's message, formatted with the model's chat template
         settings["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -202,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     err.print(_stats_table(stats, title))
     if plain is not None:
         base = plain.generate(**settings)
-        same = args.temperature == 0 and base.token_ids == [t for e in events for t in e.committed]
+        same = _same_as_plain(args) and base.token_ids == [t for e in events for t in e.committed]
         err.print(f"plain decoding: {base.stats.wall_s:.3f}s for {base.stats.new_tokens} tokens; "
                   f"speculative: {stats.wall_s:.3f}s for {stats.new_tokens}; "
                   f"speedup {base.stats.wall_s / stats.wall_s * stats.new_tokens / max(base.stats.new_tokens, 1):.2f}x"
@@ -355,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch", type=int, default=16, help="rows decoded together with --prompts-file")
     _model_args(g)
     _sampling_args(g)
+    g.add_argument("--sampling", default="rejection", metavar="{rejection,coupled}",
+                   help="rejection (default): the verifier's own draws; coupled: every draw keyed by --seed and "
+                        "the token's position, so a seeded output is seeded plain coupled sampling's, token for "
+                        "token, whatever the prophet, K or batch (an exact sample of the target either way)")
     g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                    help=f"the most tokens to generate (default {MAX_NEW_TOKENS})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")

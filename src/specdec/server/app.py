@@ -128,7 +128,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         temperature = TEMPERATURE if body.temperature is None else body.temperature
         top_p = TOP_P if body.top_p is None else body.top_p
         return Job(ids=[], max_tokens=max_tokens, temperature=temperature, top_k=body.top_k or None, top_p=top_p,
-                   seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens,
+                   seed=body.seed, stop=stop, draft_tokens=opts.draft_tokens, sampling=body.sampling or "rejection",
                    plain=opts.draft == "none" and prophet != "none", prophets=chosen, policy=opts.policy,
                    details=opts.rounds,
                    timeout_s=config.timeout_s,

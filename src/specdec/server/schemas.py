@@ -134,6 +134,9 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, _Bias] | None = None
     user: str | None = None
+    # None (or absent): "rejection". "coupled": every draw keyed by (seed, position), so a seeded
+    # answer is seeded plain coupled sampling's whatever the prophet, K or batch (specdec.sampling)
+    sampling: Literal["rejection", "coupled"] | None = None
     specdec: SpecdecOptions | None = None
 
     @field_validator("model", "stop", "user")

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec import load
 from specdec.api import batch_engine
 from specdec.batch import (
     BatchEngine,
@@ -540,3 +541,27 @@ def test_a_rows_policy_observes_its_share_of_the_steps_time(tiny_pair):
     drafted = [o for o in outcomes if o.drafted]
     assert drafted and all(o.draft_s > 0 and o.target_s > 0 and o.draft_calls == 1 for o in drafted)
     assert all(o.target_s > 0 for o in outcomes)
+
+
+@pytest.mark.parametrize("draft", ["close", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_confidence_policy_stops_batched_drafts_where_the_per_request_loop_does(tiny_pair, tiny_eagle, draft,
+                                                                                    temperature, monkeypatch):
+    """The confidence policy's early stop runs in batched drafting (a model's rows, a feature
+    prophet's rows): the one loop drafts, round for round, the tokens the per-request loop
+    drafts with the same policy, seed and settings, and some drafts do stop early."""
+    from specdec.engine import SpeculativeDecoder
+
+    spec = {"close": tiny_pair["close"], "eagle": tiny_eagle}[draft]
+    decoder = load(tiny_pair["target"], draft=spec, policy="confidence", draft_tokens=6, draft_dtype=torch.float32)
+    decoder.policy.threshold = 0.6 if temperature == 0 else 0.3
+    settings = dict(max_new_tokens=40, temperature=temperature, seed=3)
+    batched = [decoder.generate(p, **settings) for p in ("def main():", "import os\n")]
+    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
+    alone = [decoder.generate(p, **settings) for p in ("def main():", "import os\n")]
+    short = 0
+    for b, a in zip(batched, alone, strict=True):
+        assert [e.drafted for e in b.events] == [e.drafted for e in a.events]
+        assert b.token_ids == a.token_ids
+        short += sum(0 < len(e.drafted) < e.k for e in a.events)  # a.events: k is the round's budget
+    assert short > 0  # the early stop happened (not only the length's cut)

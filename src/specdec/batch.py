@@ -15,6 +15,7 @@ of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +42,15 @@ from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
 from specdec.finish import Finish, check_stops
 from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.ragged import verify_rows
-from specdec.sampling import SamplingParams, check_logits, check_sampling, couple, draw, logits_to_probs
+from specdec.sampling import (
+    KeepDrafting,
+    SamplingParams,
+    check_logits,
+    check_sampling,
+    couple,
+    draw,
+    logits_to_probs,
+)
 
 
 class BatchLM(Protocol):
@@ -69,6 +78,29 @@ class BatchLM(Protocol):
                          n_logits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, also returning the hidden states (B, max(n_logits), D) the head read."""
         ...
+
+
+TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing
+    elsewhere). After a long request the allocator would otherwise keep its pages."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 class BatchLlama(LlamaWeights):
@@ -108,8 +140,12 @@ class BatchLlama(LlamaWeights):
         return sum(self.position_bytes() * k.shape[2] for k in self.k_slots if k is not None)
 
     def free(self, slot: int) -> None:
-        """Return a slot's cache memory (its request has left)."""
+        """Return a slot's cache memory (its request has left), to the system too when it was
+        large: the C allocator keeps freed heap memory for reuse unless asked to trim it."""
+        k = self.k_slots[slot]
         self.k_slots[slot] = self.v_slots[slot] = None
+        if k is not None and k.device.type == "cpu" and 2 * k.numel() * k.element_size() >= TRIM_BYTES:
+            trim_heap()
 
     def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
@@ -245,6 +281,8 @@ class StepEvent:
     committed: list[int]  # tokens appended this step, after EOS / length cuts
     finish_reason: str | None
     prophet: str | None = None  # whose draft was verified (None: no draft, a plain step)
+    # perf_counter spans of the step's drafting and of its target pass (the row's share of both)
+    spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
 
 
 @dataclass
@@ -284,8 +322,12 @@ class ModelBatchDrafter:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size, device=self.lm.device)  # (B, K, V)
         feeds = {b: reqs[b].context[reqs[b].draft_cached:] for b, k in enumerate(ks) if k > 0}
+        keep = _keep_drafting(reqs)
+        ks = list(ks)
         for j in range(max(ks)):
             live = [b for b in feeds if ks[b] > j]
+            if not live:
+                break
             logits = self.lm.forward([_slot(reqs[b]) for b in live], [reqs[b].draft_cached for b in live],
                                      [feeds[b] for b in live], [1] * len(live))[:, 0]  # (B_live, V)
             q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"drafter '{self.name}'")[:, 0]
@@ -298,6 +340,8 @@ class ModelBatchDrafter:
                                                                     len(req.context) + j)
                 feeds[b] = [token]
                 tokens[b].append(token)
+                if keep[b] is not None and not keep[b](torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
+                    ks[b] = j + 1  # the confidence policy's early stop: this row drafts no further
         return BatchDraft(tokens, probs)
 
 
@@ -353,6 +397,7 @@ class FeatureBatchDrafter:
         if not rows:
             return BatchDraft(tokens, None)
         k_rows = [p.max_k(ks[b]) for b in rows]
+        keep = _keep_drafting(reqs)
         who = f"drafter '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
@@ -374,6 +419,12 @@ class FeatureBatchDrafter:
             for i, b in enumerate(rows):
                 if k_rows[i] >= j:
                     tokens[b].append(picked[i])
+                    stop = keep[b]
+                    if stop is not None and k_rows[i] > j:
+                        sure = probs[b, j - 1] if probs is not None and not reqs[b].params.greedy else \
+                            torch.softmax(sub[i].float(), -1)
+                        if not stop(sure):
+                            k_rows[i] = j  # the confidence policy's early stop: this row drafts no further
             last = torch.tensor(picked, device=h0.device)
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
@@ -444,6 +495,11 @@ class FirstBatchDrafter:
 BatchDrafter = ModelBatchDrafter | NgramBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
 
 
+def _keep_drafting(reqs: Sequence[Request]) -> list[KeepDrafting | None]:
+    """Each row's early stop (its policy's `keep_drafting`: the confidence policy's), or None."""
+    return [r.policy.keep_drafting() if r.policy is not None else None for r in reqs]
+
+
 def _slot(req: Request) -> int:
     assert req.slot is not None, "a running request holds a cache slot"
     return req.slot
@@ -503,10 +559,18 @@ class BatchEngine:
         self.row_costs: Costs | None = None
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+        # One step (or release) at a time: requests of several threads may step on one engine
+        # (a decoder's interleaved streams, generate beside a server); each sees its own rows.
+        self.lock = threading.RLock()
 
     # ----------------------------------------------------------------- one step
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
-        """One round for every unfinished request: draft, score, verify, commit."""
+        """One round for every unfinished request: draft, score, verify, commit. Safe to call
+        from several threads (one step at a time), each with requests of its own."""
+        with self.lock:
+            return self._step(requests)
+
+    def _step(self, requests: Sequence[Request]) -> list[StepEvent]:
         active = [r for r in requests if not r.done]
         refused = [self._refuse(r, why) for r in active if r.slot is None and (why := self._invalid(r))]
         active = [r for r in active if not r.done]
@@ -558,6 +622,7 @@ class BatchEngine:
         share = ((d1 - d0) / len(active), (self.last_spans[1][1] - d1) / len(active))
         for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
             events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
+            events[-1].spans = self.last_spans
             # The next token came from the head at the last accepted position: its feature
             # is where a feature prophet starts next step (none if the commit was cut short).
             r.feature = hidden[b, v.n_accepted] if hidden is not None and len(events[-1].committed) == \
@@ -597,7 +662,7 @@ class BatchEngine:
         """The RoundEvent of one row's part in the last step, times relative to t0 (its
         request's start): the step's drafting and target spans are the row's. committed and
         finish_reason: as the caller cut them (stop strings), else the step's."""
-        (d0, d1), (g0, g1) = self.last_spans
+        (d0, d1), (g0, g1) = e.spans
         name = e.prophet
         return RoundEvent(
             index=index, drafter=name, k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted,
@@ -684,8 +749,9 @@ class BatchEngine:
         tokens per second: a row with acceptance a_b and a draft of n_b tokens yields
         tokens(a_b, min(K, n_b)) (1 without a draft), and every row pays for the longest
         feed. No K paying more than plain steps: no drafts this step. The cut depends on
-        draft lengths and acceptance only, never on drafted tokens, so it stays exact."""
-        if not any(lens):
+        draft lengths and acceptance only, never on drafted tokens, so it stays exact. A row
+        alone keeps the K its policy chose (the policy weighed the same costs, and may probe)."""
+        if not any(lens) or len(active) == 1:  # a row alone: its own policy's K (probes included)
             return list(lens)
         default = self.drafter.name if self.drafter is not None else None
         row_names = [n or default for n in names] if names else [default] * len(active)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specdec.batch import BatchEngine, Request
 from specdec.costmodel import Costs, interleaved_minimums, monotone
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Draft, Drafter
@@ -34,6 +35,8 @@ from specdec.policy import Policy, RoundOutcome, make_policy
 from specdec.sampling import SamplingParams, check_sampling, couple, logits_to_probs
 from specdec.stats import summarize
 from specdec.verify import DraftTree, verify_chain, verify_tree
+
+ONE_LOOP_SLOTS = 64  # rows of a decoder's own batched engine (interleaved streams, threads)
 
 
 @dataclass
@@ -159,10 +162,17 @@ class SpeculativeDecoder:
                  sampling: str = "rejection") -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         prompt = self._chat_or_prompt(prompt, messages)
+        params = SamplingParams(temperature, top_k, top_p)
+        engine = self._one_loop()
+        if engine is not None:
+            row, finish = self._row(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy,
+                                    sampling)
+            steps = list(self._step_alone(engine, row, finish, release_text=False))
+            return Generation(finish.final_text(row.generated), list(row.generated), list(row.prompt),
+                              row.finish_reason or "length", steps, summarize(steps))
         runner = self._claim()
         try:
-            req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
-                                stop, prophets, policy, sampling)
+            req = runner._start(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy, sampling)
             events = list(runner._rounds(req, release_text=False))
         finally:
             self._release(runner)
@@ -233,10 +243,16 @@ class SpeculativeDecoder:
         coupled sampling token for token, whatever the prophets, K or batch; an exact sample
         of the target either way, see specdec.sampling)."""
         prompt = self._chat_or_prompt(prompt, messages)
+        params = SamplingParams(temperature, top_k, top_p)
+        engine = self._one_loop()
+        if engine is not None:
+            row, finish = self._row(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy,
+                                    sampling)
+            yield from self._step_alone(engine, row, finish, release_text=True)
+            return
         runner = self._claim()
         try:
-            req = runner._start(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed, draft_tokens,
-                                stop, prophets, policy, sampling)
+            req = runner._start(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy, sampling)
             yield from runner._rounds(req, release_text=True)
         finally:  # also when the caller closes or drops the stream early
             self._release(runner)
@@ -252,12 +268,13 @@ class SpeculativeDecoder:
             yield event
 
     # ----------------------------------------------------------------- a request
-    def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
-               draft_tokens: int | None, stop: str | Sequence[str] | None,
-               prophets: Sequence[str] | None = None, policy_name: str | None = None,
-               sampling: str = "rejection") -> _Request:
+    def _checked(self, prompt: str | Sequence[int], max_new_tokens: int, draft_tokens: int | None,
+                 stop: str | Sequence[str] | None, prophets: Sequence[str] | None, policy_name: str | None,
+                 sampling: str) -> tuple[list[int], frozenset[str] | None, Policy, tuple[str, ...]]:
+        """A request's settings, checked as every path checks them: its prompt ids, the
+        prophets that may draft for it, its K policy (reset for it) and its stop strings."""
         allowed = check_prophets(prophets, [d.name for d in self.drafters])
-        coupled = check_sampling(sampling) == "coupled"
+        check_sampling(sampling)
         ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -271,11 +288,18 @@ class SpeculativeDecoder:
                 self._costs = self.policy.costs or self.stored_costs()
             policy.costs = self._costs
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
-        stops = check_stops(stop, self.tokenizer)
+        return ids, allowed, policy, check_stops(stop, self.tokenizer)
+
+    def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
+               draft_tokens: int | None, stop: str | Sequence[str] | None,
+               prophets: Sequence[str] | None = None, policy_name: str | None = None,
+               sampling: str = "rejection") -> _Request:
+        ids, allowed, policy, stops = self._checked(prompt, max_new_tokens, draft_tokens, stop, prophets, policy_name,
+                                                    sampling)
         gen = torch.Generator(device=self.target.device)  # the verifier's random numbers live with the logits
         seed_used = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
         gen.manual_seed(seed_used)
-        if coupled:
+        if sampling == "coupled":
             params = replace(params, coupled=seed_used)
         for d in self.drafters:
             d.reset()
@@ -283,6 +307,57 @@ class SpeculativeDecoder:
         return _Request(ids, len(ids), max_new_tokens, params, gen, Finish(self.tokenizer, stops),
                         time.perf_counter(), recent={d.name: 1.0 for d in self.drafters}, prophets=allowed,
                         policy=policy)
+
+    # ----------------------------------------------------------------- the one loop
+    def _one_loop(self) -> BatchEngine | None:
+        """The batched engine this decoder's requests step on, each a batch of one, or None
+        where its target or prophets have no batched path yet (`wiring.engine_for`: a
+        transformers model, layerskip, kangaroo, retrieval, medusa, int8, trees, "best"):
+        those run on the per-request loop below. The engine is the decoder's own
+        (`ONE_LOOP_SLOTS` rows, memory per row as it grows): interleaved streams and threads
+        take rows of it."""
+        from specdec.wiring import engine_for
+
+        engine: BatchEngine | None = engine_for(self, ONE_LOOP_SLOTS)
+        if engine is not None:
+            engine.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
+            if self._costs is not None:
+                engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
+        return engine
+
+    def _row(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
+             draft_tokens: int | None, stop: str | Sequence[str] | None, prophets: Sequence[str] | None,
+             policy_name: str | None, sampling: str) -> tuple[Request, Finish]:
+        """A request for the one loop, checked as `_start` checks it, with a policy of its own."""
+        ids, allowed, policy, stops = self._checked(prompt, max_new_tokens, draft_tokens, stop, prophets, policy_name,
+                                                    sampling)
+        if policy is self.policy:
+            policy = copy.deepcopy(policy)  # the request's own: interleaved requests never share one
+        k = (draft_tokens or self.policy.k0) if self.drafters else 0
+        req = Request(ids, max_new_tokens, params, k, seed, policy if k else None, allowed, sampling)
+        return req, Finish(self.tokenizer, stops)
+
+    @staticmethod
+    def _step_alone(engine: BatchEngine, req: Request, finish: Finish, release_text: bool) -> Iterator[RoundEvent]:
+        """Step one request on the batched engine to its end: one RoundEvent per round, its
+        stop strings and text finished by `specdec.finish`; its row is freed when it ends or
+        the caller stops early."""
+        t0, index = time.perf_counter(), 0
+        try:
+            while not req.done:
+                for e in engine.step([req]):  # none while a long prompt is still being prefilled
+                    if req.error is not None:
+                        raise ValueError(req.error)
+                    before = len(req.generated) - len(e.committed)
+                    keep = finish.cut(req.generated, before)
+                    if keep is not None:
+                        del req.generated[keep:]
+                        req.finish_reason = "stop"
+                    text = finish.release(req.generated, req.done) if release_text else ""
+                    yield engine.round_event(e, index, t0, req.generated[before:], text, req.finish_reason)
+                    index += 1
+        finally:
+            engine.release(req)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""

@@ -340,7 +340,8 @@ class ModelBatchDrafter:
                                                                     len(req.context) + j)
                 feeds[b] = [token]
                 tokens[b].append(token)
-                if keep[b] is not None and not keep[b](torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
+                stop = keep[b]
+                if stop is not None and not stop(torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
                     ks[b] = j + 1  # the confidence policy's early stop: this row drafts no further
         return BatchDraft(tokens, probs)
 

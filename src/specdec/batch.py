@@ -176,6 +176,13 @@ class BatchLlama(LlamaWeights):
         k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
         v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
+        if n_rows == 1:  # a row alone (a request stepped by itself): no padding to fill or copy
+            keys, values, start, n_new, scored = rows[0]
+            keys[i, :, start : start + n_new] = k[0]
+            values[i, :, start : start + n_new] = v[0]
+            solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
+            one = exact_attention(q, keys[i][None], values[i][None], start, solo, gqa, self.attention_chunk)
+            return self._mm(one.transpose(1, 2).reshape(1, n, self.n_heads * hd), w["o"])  # (1, n, D)
         out = torch.zeros_like(q)  # (B, Hq, n, hd); padded queries stay 0 and are discarded
         for b, (keys, values, start, n_new, scored) in enumerate(rows):
             keys[i, :, start : start + n_new] = k[b, :, :n_new]
@@ -535,10 +542,12 @@ def _prefilled(req: Request, attr: str) -> bool:
 
 def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
     """logits (B, n, V) -> each row's sampling distribution (B, n, V), one call per distinct setting."""
-    out = torch.empty_like(logits)
     groups: dict[SamplingParams, list[int]] = {}
     for b, r in enumerate(reqs):
         groups.setdefault(r.params, []).append(b)
+    if len(groups) == 1:  # one setting (a request alone, or rows alike): no gather and scatter
+        return logits_to_probs(logits, reqs[0].params, who=who)
+    out = torch.empty_like(logits)
     for params, rows in groups.items():
         out[rows] = logits_to_probs(logits[rows], params, who=who)
     return out
@@ -581,8 +590,10 @@ class BatchEngine:
         #    (`prefill_chunk` tokens at most), so a long prompt never stalls the running rows
         #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
         self._admit(active)
-        _prefill(self.target, active, "target_cached", self.prefill_chunk)
-        active = [r for r in active if _prefilled(r, "target_cached")]
+        alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
+        if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
+            _prefill(self.target, active, "target_cached", self.prefill_chunk)
+            active = [r for r in active if _prefilled(r, "target_cached")]
         if not active:
             return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are

@@ -321,6 +321,9 @@ class SpeculativeDecoder:
         engine: BatchEngine | None = engine_for(self, ONE_LOOP_SLOTS)
         if engine is not None:
             engine.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
+            # Each request steps alone here: its prompt goes in whole with its first round (in
+            # the target's aligned attention blocks, as everywhere), nothing waits behind it.
+            engine.prefill_chunk = engine.target.max_length
             if self._costs is not None:
                 engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
         return engine

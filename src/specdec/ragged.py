@@ -70,6 +70,10 @@ def verify_rows(
     """Speculative sampling for B rows at once; the same results as `verify_rows_reference`."""
     n_rows, k_max = draft_tokens.shape
     device = target_probs.device
+    if n_rows == 1:  # a row alone: the specification itself is cheaper than the batch's bookkeeping
+        (v,) = verify_rows_reference(draft_tokens, draft_lens, draft_probs, one_hot, target_probs, generators)
+        return RaggedVerdict(torch.tensor([v.n_accepted]), torch.tensor([v.next_token]),
+                             torch.tensor([v.next_kind == "bonus"]))
     lens = torch.tensor(list(draft_lens), dtype=torch.long, device=device)  # (B,)
     # 1. Per-row uniforms, drawn from each row's generator exactly as verify_chain draws them.
     u = torch.zeros(n_rows, k_max, device=device)  # (B, K), zero past k_b (never read)

@@ -161,23 +161,11 @@ class SpeculativeDecoder:
                  prophets: Sequence[str] | None = None, policy: str | None = None,
                  sampling: str = "rejection") -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
-        prompt = self._chat_or_prompt(prompt, messages)
-        params = SamplingParams(temperature, top_k, top_p)
-        engine = self._one_loop()
-        if engine is not None:
-            row, finish = self._row(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy,
-                                    sampling)
-            steps = list(self._step_alone(engine, row, finish, release_text=False))
-            return Generation(finish.final_text(row.generated), list(row.generated), list(row.prompt),
-                              row.finish_reason or "length", steps, summarize(steps))
-        runner = self._claim()
-        try:
-            req = runner._start(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy, sampling)
-            events = list(runner._rounds(req, release_text=False))
-        finally:
-            self._release(runner)
-        return Generation(runner._final_text(req), list(req.generated), req.context[: req.n_prompt],
-                          req.finish_reason or "length", events, summarize(events))
+        ended: list[tuple[str, list[int], list[int], str]] = []
+        events = list(self._run(prompt, messages, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
+                                draft_tokens, stop, prophets, policy, sampling, False, ended))
+        text, token_ids, prompt_ids, reason = ended[0]
+        return Generation(text, token_ids, prompt_ids, reason, events, summarize(events))
 
     def _claim(self) -> SpeculativeDecoder:
         """The decoder a new request runs on: this one if no request is running on it, else a
@@ -242,18 +230,30 @@ class SpeculativeDecoder:
         keyed by the seed and the token's position, so a seeded output equals seeded plain
         coupled sampling token for token, whatever the prophets, K or batch; an exact sample
         of the target either way, see specdec.sampling)."""
+        yield from self._run(prompt, messages, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
+                             draft_tokens, stop, prophets, policy, sampling, True, [])
+
+    def _run(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None,
+             max_new_tokens: int, params: SamplingParams, seed: int | None, draft_tokens: int | None,
+             stop: str | Sequence[str] | None, prophets: Sequence[str] | None, policy: str | None, sampling: str,
+             release_text: bool, ended: list[tuple[str, list[int], list[int], str]]) -> Iterator[RoundEvent]:
+        """One request's rounds, on the one loop where it runs, else on the per-request loop;
+        at its end, (text, generated ids, prompt ids, finish reason) is appended to `ended`."""
         prompt = self._chat_or_prompt(prompt, messages)
-        params = SamplingParams(temperature, top_k, top_p)
         engine = self._one_loop()
         if engine is not None:
             row, finish = self._row(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy,
                                     sampling)
-            yield from self._step_alone(engine, row, finish, release_text=True)
+            yield from self._step_alone(engine, row, finish, release_text)
+            ended.append((finish.final_text(row.generated), list(row.generated), list(row.prompt),
+                          row.finish_reason or "length"))
             return
         runner = self._claim()
         try:
             req = runner._start(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy, sampling)
-            yield from runner._rounds(req, release_text=True)
+            yield from runner._rounds(req, release_text)
+            ended.append((runner._final_text(req), list(req.generated), req.context[: req.n_prompt],
+                          req.finish_reason or "length"))
         finally:  # also when the caller closes or drops the stream early
             self._release(runner)
 

@@ -565,3 +565,27 @@ def test_the_confidence_policy_stops_batched_drafts_where_the_per_request_loop_d
         assert b.token_ids == a.token_ids
         short += sum(0 < len(e.drafted) < e.k for e in a.events)  # a.events: k is the round's budget
     assert short > 0  # the early stop happened (not only the length's cut)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_multi_best_chooses_per_row_as_the_per_request_loop_does(tiny_pair, tiny_eagle, temperature, monkeypatch):
+    """--multi best on the one loop: each row's prophet is the one with the best recent tokens
+    per round in its own request (Request.recent), so the one loop verifies, round for round,
+    the drafts of the prophets the per-request loop picks, with the same tokens."""
+    from specdec.engine import SpeculativeDecoder
+    from specdec.wiring import engine_for
+
+    decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", multi="best", policy="fixed", draft_tokens=3,
+                   draft_dtype=torch.float32)
+    assert engine_for(decoder, 2) is not None
+    prompts = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
+    settings = dict(max_new_tokens=40, temperature=temperature, seed=5)
+    batched = [decoder.generate(p, **settings) for p in prompts]
+    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
+    alone = [decoder.generate(p, **settings) for p in prompts]
+    used = set()
+    for b, a in zip(batched, alone, strict=True):
+        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
+        assert b.token_ids == a.token_ids
+        used |= {e.drafter for e in b.events if e.drafted}
+    assert len(used) == 2  # both prophets drafted somewhere

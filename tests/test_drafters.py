@@ -171,6 +171,12 @@ def test_retrieval_is_greedy_exact(tiny_pair, plain_outputs, tmp_path):
     for prompt, want in plain_outputs.items():
         assert dec.generate(prompt, max_new_tokens=32, temperature=0).token_ids == want, prompt
     assert dec.generate(PROMPTS[0], max_new_tokens=32, temperature=0).stats.drafted > 0
+    # retrieval drafts for rows of the one loop (a lookup prophet), alone and batched
+    from specdec.wiring import engine_for
+
+    assert engine_for(dec, 4) is not None
+    outs = dec.generate_many(list(plain_outputs), max_new_tokens=32, temperature=0)
+    assert [o.token_ids for o in outs] == list(plain_outputs.values())
 
 
 def test_layerskip_passes_check_on_a_real_model(tiny_pair):

@@ -34,13 +34,14 @@ from specdec.costmodel import (
     monotone,
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
+from specdec.drafters.base import Drafter
 from specdec.drafters.feature import FeatureDrafter
-from specdec.drafters.ngram import lookup
+from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
 from specdec.finish import Finish, check_stops
-from specdec.policy import Policy, RoundOutcome, make_policy
+from specdec.policy import Policy, RoundOutcome, best_first, make_policy, observe_recent
 from specdec.ragged import verify_rows
 from specdec.sampling import (
     KeepDrafting,
@@ -241,6 +242,8 @@ class Request:
     policy: Policy | None = None  # this request's own K policy (e.g. AutoPolicy); None: always k
     prophets: frozenset[str] | None = None  # of the engine's prophets, those that may draft for it (None: all)
     sampling: str = "rejection"  # or "coupled": draws keyed by (seed, position) (specdec.sampling)
+    # running tokens per round of each prophet whose drafts were verified for it (multi="best")
+    recent: dict[str, float] = field(default_factory=dict)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
     error: str | None = None  # why the engine refused this request (the others in its step go on)
@@ -353,14 +356,15 @@ class ModelBatchDrafter:
         return BatchDraft(tokens, probs)
 
 
-class NgramBatchDrafter:
-    """Prompt lookup per row (see specdec.drafters.ngram): no model, one-hot q."""
+class LookupBatchDrafter:
+    """A lookup prophet for every row: one that drafts from the row's context alone, keeps no
+    state and no model (prompt lookup, `specdec.drafters.ngram`; retrieval from a datastore,
+    `specdec.drafters.retrieval`). Its drafts are deterministic: q is one-hot."""
 
-    name = "ngram"
     reads_features = False
 
-    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
-        self.n_max, self.n_min = n_max, n_min
+    def __init__(self, prophet: Drafter) -> None:
+        self.prophet, self.name = prophet, prophet.name
 
     def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
         return {self.name: 0.0}  # a lookup: nothing next to a model's step
@@ -372,8 +376,15 @@ class NgramBatchDrafter:
         pass
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
-        return BatchDraft([lookup(np.asarray(r.context, dtype=np.int64), k, self.n_max, self.n_min) if k else []
+        return BatchDraft([self.prophet.propose(r.context, k, r.params, None).tokens if k else []
                            for r, k in zip(reqs, ks, strict=True)], None)
+
+
+class NgramBatchDrafter(LookupBatchDrafter):
+    """Prompt lookup per row (see specdec.drafters.ngram)."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
+        super().__init__(NgramDrafter(n_max, n_min))
 
 
 class FeatureBatchDrafter:
@@ -451,14 +462,23 @@ class FeatureBatchDrafter:
 
 class FirstBatchDrafter:
     """Several prophets, the first in order that proposes something for a row drafts for it
-    (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere). The
-    choice depends on each row's committed context only, so it stays exact; the verifier
-    sees one-hot q for a deterministic prophet's rows."""
+    (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere), or,
+    with `best`, only the one with the best recent tokens per round in that row's request
+    (`multi="best"`, `Request.recent`). The choice depends on each row's committed context
+    and its own past rounds only, so it stays exact; the verifier sees one-hot q for a
+    deterministic prophet's rows."""
 
-    def __init__(self, parts: Sequence[NgramBatchDrafter | FeatureBatchDrafter]) -> None:
+    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter], best: bool = False) -> None:
         self.parts = list(parts)
+        self.best = best
         self.name = "+".join(p.name for p in parts)
         self.reads_features = any(p.reads_features for p in parts)
+
+    def _order(self, req: Request) -> list[str]:
+        """The order in which this row asks the prophets: theirs, or with `best` by the
+        row's own running tokens per round (`policy.best_first`)."""
+        names = [p.name for p in self.parts]
+        return best_first(names, req.recent) if self.best else names
 
     def room(self, req: Request) -> int:
         return min(p.room(req) for p in self.parts)
@@ -475,8 +495,10 @@ class FirstBatchDrafter:
         names: list[str | None] = [None] * len(reqs)
         one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
         q_rows: dict[int, torch.Tensor] = {}
-        for part in self.parts:
-            part_ks = [0 if tokens[b] or not k else min(k, budget(r, part.name))
+        orders = [self._order(r) for r in reqs]
+        # Rank by rank: a row asks its rank-th prophet only while nothing earlier proposed.
+        for rank, part in ((rank, part) for rank in range(len(self.parts)) for part in self.parts):
+            part_ks = [0 if tokens[b] or not k or orders[b][rank] != part.name else min(k, budget(r, part.name))
                        for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
             if not any(part_ks):
                 continue
@@ -500,7 +522,7 @@ class FirstBatchDrafter:
         return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
 
 
-BatchDrafter = ModelBatchDrafter | NgramBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
+BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
 
 
 def _keep_drafting(reqs: Sequence[Request]) -> list[KeepDrafting | None]:
@@ -849,6 +871,8 @@ class BatchEngine:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
+        if drafted and prophet is not None:  # the multi="best" choice's evidence, as the per-request loop keeps it
+            observe_recent(req.recent, prophet, n_accepted)
         if req.policy is not None and self.drafter is not None:
             req.policy.observe(RoundOutcome(len(drafted), n_accepted, share[0], share[1], 1 if drafted else 0,
                                             prophet if drafted else None))
@@ -933,4 +957,4 @@ class BatchEngine:
 
 
 __all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "FeatureBatchDrafter", "FirstBatchDrafter",
-           "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]
+           "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]

@@ -31,7 +31,7 @@ from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
 from specdec.lm import CausalLM, sync
-from specdec.policy import Policy, RoundOutcome, make_policy
+from specdec.policy import Policy, RoundOutcome, best_first, make_policy, observe_recent
 from specdec.sampling import SamplingParams, check_sampling, couple, logits_to_probs
 from specdec.stats import summarize
 from specdec.verify import DraftTree, verify_chain, verify_tree
@@ -305,14 +305,14 @@ class SpeculativeDecoder:
             d.reset()
         self.target.truncate(0)
         return _Request(ids, len(ids), max_new_tokens, params, gen, Finish(self.tokenizer, stops),
-                        time.perf_counter(), recent={d.name: 1.0 for d in self.drafters}, prophets=allowed,
+                        time.perf_counter(), prophets=allowed,
                         policy=policy)
 
     # ----------------------------------------------------------------- the one loop
     def _one_loop(self) -> BatchEngine | None:
         """The batched engine this decoder's requests step on, each a batch of one, or None
         where its target or prophets have no batched path yet (`wiring.engine_for`: a
-        transformers model, layerskip, kangaroo, retrieval, medusa, int8, trees, "best"):
+        transformers model, layerskip, kangaroo, retrieval, int8, trees, "best"):
         those run on the per-request loop below. The engine is the decoder's own
         (`ONE_LOOP_SLOTS` rows, memory per row as it grows): interleaved streams and threads
         take rows of it."""
@@ -517,8 +517,8 @@ class SpeculativeDecoder:
         event.end = time.perf_counter() - req.t0
         req.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
                                          event.draft_calls, prophet))
-        if event.drafter in req.recent:
-            req.recent[event.drafter] = 0.8 * req.recent[event.drafter] + 0.2 * (event.accepted + 1)
+        if event.drafter is not None and any(d.name == event.drafter for d in self.drafters):
+            observe_recent(req.recent, event.drafter, event.accepted)
         return event
 
     def _propose(self, req: _Request) -> tuple[int, list[Draft], str | None]:
@@ -538,7 +538,8 @@ class SpeculativeDecoder:
             return k, [d for d in drafts if len(d)], prophet
         order = drafters
         if self.multi == "best":
-            order = [max(drafters, key=lambda d: req.recent[d.name])]
+            by_name = {d.name: d for d in drafters}
+            order = [by_name[n] for n in best_first(list(by_name), req.recent)]
         for d in order:
             k = self._draft_budget(req, d.name)
             if k == 0:

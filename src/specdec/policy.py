@@ -18,6 +18,7 @@ seed fixes the output of every policy, across loads and processes on one machine
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specdec.costmodel import Costs, expected_gain
@@ -244,6 +245,21 @@ class AutoPolicy(Policy):
 
 
 POLICIES = ("auto", "fixed", "adaptive", "confidence", "optimal")
+
+
+# ----------------------------------------------------------------- multi="best"
+def best_first(names: Sequence[str], recent: Mapping[str, float]) -> list[str]:
+    """multi="best": the order in which a request asks its prophets for a draft (the first
+    that proposes something drafts): those never verified for it yet first, in their own
+    order (each gets tried), then by running tokens per round, best first (ties: their own
+    order). It depends on the request's own past rounds only, so every loop stays exact."""
+    return sorted(names, key=lambda n: (n in recent, -recent.get(n, 0.0)))
+
+
+def observe_recent(recent: dict[str, float], prophet: str, accepted: int) -> None:
+    """A prophet's running tokens per round in one request, after a round it drafted."""
+    tokens = accepted + 1.0
+    recent[prophet] = tokens if prophet not in recent else 0.8 * recent[prophet] + 0.2 * tokens
 
 
 def make_policy(name: str, k: int) -> Policy:

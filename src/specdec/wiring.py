@@ -377,20 +377,21 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 def engine_for(decoder: Any, slots: int) -> Any:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (layerskip, kangaroo, retrieval, an int8 copy,
-    a model among several prophets, several prophets other than multi="first")."""
+    target or prophets have no batched path (layerskip, kangaroo, an int8 copy,
+    a model among several prophets, several prophets in a tree)."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
         BatchLlama,
         FeatureBatchDrafter,
         FirstBatchDrafter,
+        LookupBatchDrafter,
         ModelBatchDrafter,
-        NgramBatchDrafter,
     )
     from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.drafters.retrieval import RetrievalDrafter
     from specdec.fastllama import FastLlamaLM, supports
 
     cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
@@ -401,8 +402,8 @@ def engine_for(decoder: Any, slots: int) -> Any:
         return None
     parts: list[BatchDrafter] = []
     for d in decoder.drafters:
-        if isinstance(d, NgramDrafter):
-            parts.append(NgramBatchDrafter(d.n_max, d.n_min))
+        if isinstance(d, NgramDrafter | RetrievalDrafter):
+            parts.append(LookupBatchDrafter(d))
         elif isinstance(d, FeatureDrafter):
             parts.append(FeatureBatchDrafter(d))
         elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
@@ -411,10 +412,10 @@ def engine_for(decoder: Any, slots: int) -> Any:
             return None
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
     if len(parts) > 1:
-        simple = [p for p in parts if isinstance(p, NgramBatchDrafter | FeatureBatchDrafter)]
-        if decoder.multi != "first" or len(simple) != len(parts):
+        simple = [p for p in parts if isinstance(p, LookupBatchDrafter | FeatureBatchDrafter)]
+        if decoder.multi not in ("first", "best") or len(simple) != len(parts):
             return None
-        drafter = FirstBatchDrafter(simple)
+        drafter = FirstBatchDrafter(simple, best=decoder.multi == "best")
     engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
                          decoder.eos_token_ids, decoder.tokenizer)
     if drafter is not None and decoder.policy.needs_costs:

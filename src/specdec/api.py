@@ -55,8 +55,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     auto keeps eagle's K at what its cost curve pays), else 4.
     multi: how several prophets share a round: "tree" (every draft in one token tree),
     "first" (the first in `draft` order that proposes something: "ngram+models/smollm2-eagle"
-    is prompt lookup where the context repeats, the trained prophet elsewhere), "best" (the
-    best recent one), or "auto": "first" when a feature prophet is among several, else "tree".
+    is prompt lookup where the context repeats, the trained prophet elsewhere), "best" (as
+    "first", in the order of recent tokens per round in the request, untried first), or
+    "auto": "first" when a feature prophet is among several, else "tree".
     draft_dtype: the drafter's weights (default: bfloat16 where the CPU has native bf16,
     else float32). A drafter's precision never affects exactness (the verifier tests the q
     it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head

@@ -24,8 +24,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="auto", choices=["auto", "tree", "best", "first"],
-                   help="several drafters: verify a token tree of all drafts (tree), let the best recent one "
-                        "draft (best), or the first in --draft order that proposes something (first); auto: "
+                   help="several drafters: verify a token tree of all drafts (tree), the first that proposes "
+                        "something in order of recent tokens per round, untried first (best), or the first in "
+                        "--draft order that proposes something (first); auto: "
                         "first when a feature prophet is among them, else tree")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")

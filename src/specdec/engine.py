@@ -109,8 +109,9 @@ class SpeculativeDecoder:
     """Speculative decoding of `target` with zero, one or several drafters.
 
     With several drafters, `multi="tree"` merges their drafts into one token tree verified
-    exactly in one target pass; `multi="best"` lets the drafter with the best recent
-    tokens per round (in this request) draft alone each round; `multi="first"` asks them in
+    exactly in one target pass; `multi="best"` asks them in the order of their recent
+    tokens per round in this request (one not yet tried first; `policy.best_first`) and
+    verifies the first non-empty draft; `multi="first"` asks them in
     order and verifies the first non-empty draft (e.g. "ngram+eagle": prompt lookup where it
     finds a match, the trained prophet elsewhere). Which prophet drafts depends only on the
     committed context, so every mode stays exact.
@@ -312,7 +313,7 @@ class SpeculativeDecoder:
     def _one_loop(self) -> BatchEngine | None:
         """The batched engine this decoder's requests step on, each a batch of one, or None
         where its target or prophets have no batched path yet (`wiring.engine_for`: a
-        transformers model, layerskip, kangaroo, retrieval, int8, trees, "best"):
+        transformers model, layerskip, kangaroo, int8, a draft model among several, trees):
         those run on the per-request loop below. The engine is the decoder's own
         (`ONE_LOOP_SLOTS` rows, memory per row as it grows): interleaved streams and threads
         take rows of it."""

@@ -589,3 +589,44 @@ def test_multi_best_chooses_per_row_as_the_per_request_loop_does(tiny_pair, tiny
         assert b.token_ids == a.token_ids
         used |= {e.drafter for e in b.events if e.drafted}
     assert len(used) == 2  # both prophets drafted somewhere
+
+
+@pytest.mark.parametrize("prophet", ["layerskip:1", "kangaroo"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prophet, temperature, tmp_path,
+                                                                 monkeypatch):
+    """layerskip and kangaroo on the one loop: the target's first layers draft in each row's
+    own slot (entries past its committed tokens, overwritten by verification); round for
+    round the same drafts as the per-request loop, the same tokens, greedy equal to plain,
+    and batched rows equal to each alone."""
+    from specdec.drafters.feature import FeatureHead, save_head
+    from specdec.engine import SpeculativeDecoder
+    from specdec.wiring import engine_for
+
+    spec = prophet
+    if prophet == "kangaroo":
+        plain = load(tiny_pair["target"], draft="none")
+        dim = plain.target.head().shape[1]
+        torch.manual_seed(3)
+        head = FeatureHead("kangaroo", dim, rank=8, depth=1, layers=1)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        save_head(head, torch.arange(0, plain.target.vocab_size, 2), tmp_path / "k",
+                  {"vocab_size": plain.target.vocab_size})
+        spec = str(tmp_path / "k")
+    decoder = load(tiny_pair["target"], draft=spec, policy="fixed", draft_tokens=3, draft_dtype=torch.float32)
+    assert engine_for(decoder, 2) is not None
+    prompts = ["def main():", "import os\nimport os\nimport"]
+    settings = dict(max_new_tokens=24, temperature=temperature, seed=2)
+    batched = [decoder.generate(p, **settings) for p in prompts]
+    many = decoder.generate_many([{"prompt": p, "seed": 2} for p in prompts], max_new_tokens=24,
+                                 temperature=temperature)
+    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
+    alone = [decoder.generate(p, **settings) for p in prompts]
+    for b, a, m in zip(batched, alone, many, strict=True):
+        assert [e.drafted for e in b.events] == [e.drafted for e in a.events]
+        assert b.token_ids == a.token_ids == m.token_ids
+        assert sum(len(e.drafted) for e in b.events) > 0
+    if temperature == 0:
+        plain = decoder.plain()
+        assert [b.token_ids for b in batched] == [plain.generate(p, **settings).token_ids for p in prompts]

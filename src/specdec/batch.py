@@ -35,7 +35,8 @@ from specdec.costmodel import (
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.drafters.base import Drafter
-from specdec.drafters.feature import FeatureDrafter
+from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
+from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
@@ -201,9 +202,12 @@ class BatchLlama(LlamaWeights):
 
     @torch.inference_mode()
     def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                         n_logits: Sequence[int], layers: int | None = None,
+                         head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """As `forward`, also returning the hidden states the head read (B, max(n_logits), D),
-        after the final norm: the features that feature prophets draft from."""
+        after the final norm: the features that feature prophets draft from. layers: only the
+        first ones (early exit: the entries they write for these positions are provisional);
+        head=False: no logits (an empty (B, m, 0) tensor), the features only."""
         device = self.embed.device
         lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
@@ -215,7 +219,7 @@ class BatchLlama(LlamaWeights):
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
-        for i, w in enumerate(self.layers):
+        for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
             x = x + self._mlp(x, w)
         self.forward_calls += 1
@@ -227,6 +231,8 @@ class BatchLlama(LlamaWeights):
         pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
         x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
         hidden = self._norm(x, self.final_norm)
+        if not head:
+            return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float()
         return self._mm(hidden, self.lm_head).float(), hidden.float()
 
 
@@ -328,24 +334,37 @@ class ModelBatchDrafter:
     def prefill(self, reqs: Sequence[Request]) -> None:
         _prefill(self.lm, reqs, "draft_cached")
 
+    def _cached(self, req: Request) -> int:
+        """Positions of the row's context already in the drafter's cache (drafting starts there)."""
+        return req.draft_cached
+
+    def _fed(self, req: Request, n: int) -> None:
+        req.draft_cached += n  # its own cache keeps what it read
+
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """One drafting step for these rows: logits (B', V) after each row's feed."""
+        return self.lm.forward(slots, starts, feeds, [1] * len(slots))[:, 0]
+
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size, device=self.lm.device)  # (B, K, V)
-        feeds = {b: reqs[b].context[reqs[b].draft_cached:] for b, k in enumerate(ks) if k > 0}
+        at = {b: self._cached(reqs[b]) for b, k in enumerate(ks) if k > 0}
+        feeds = {b: reqs[b].context[at[b]:] for b in at}
         keep = _keep_drafting(reqs)
         ks = list(ks)
         for j in range(max(ks)):
             live = [b for b in feeds if ks[b] > j]
             if not live:
                 break
-            logits = self.lm.forward([_slot(reqs[b]) for b in live], [reqs[b].draft_cached for b in live],
-                                     [feeds[b] for b in live], [1] * len(live))[:, 0]  # (B_live, V)
+            logits = self._logits([_slot(reqs[b]) for b in live], [at[b] for b in live],
+                                  [feeds[b] for b in live])  # (B_live, V)
             q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"drafter '{self.name}'")[:, 0]
             probs[live, j] = q
             greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
             for i, b in enumerate(live):
                 req = reqs[b]
-                req.draft_cached += len(feeds[b])
+                at[b] += len(feeds[b])
+                self._fed(req, len(feeds[b]))
                 token = greedy[i] if req.params.greedy else draw(q[i], req.params, req.generator,
                                                                     len(req.context) + j)
                 feeds[b] = [token]
@@ -354,6 +373,45 @@ class ModelBatchDrafter:
                 if stop is not None and not stop(torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
                     ks[b] = j + 1  # the confidence policy's early stop: this row drafts no further
         return BatchDraft(tokens, probs)
+
+
+class EarlyExitBatchDrafter(ModelBatchDrafter):
+    """The target drafting for its own rows with its first L layers (layerskip), or through a
+    trained adapter after them (kangaroo, `AdaptedExitDrafter`). It reads and writes the
+    rows' own target slots: those layers' entries for the drafted positions sit past each
+    row's committed tokens, where the verification pass overwrites them; the row's cached
+    length never moves while drafting. No model and no cache of its own."""
+
+    def __init__(self, target: BatchLlama, prophet: LayerSkipDrafter) -> None:
+        super().__init__(target)
+        self.target, self.prophet, self.name = target, prophet, prophet.name
+        self.layers = prophet.layers
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        slots, starts = [_slot(r) for r in reqs], [r.target_cached for r in reqs]
+        if min(self.target.max_length - s for s in starts) <= 1:
+            return {self.name: 0.0}
+        step = lambda: self._logits(slots, starts, [[0]] * len(reqs))  # noqa: E731
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass  # the rows' target slots are its cache
+
+    def _cached(self, req: Request) -> int:
+        return req.target_cached
+
+    def _fed(self, req: Request, n: int) -> None:
+        pass  # provisional entries: the target's cached length stays at the committed tokens
+
+    @torch.inference_mode()
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        p, ones = self.prophet, [1] * len(slots)
+        if not isinstance(p, AdaptedExitDrafter):
+            return self.target.forward_features(slots, starts, feeds, ones, layers=self.layers)[0][:, 0]
+        _, feature = self.target.forward_features(slots, starts, feeds, ones, layers=self.layers, head=False)
+        sub = (p.adapter.adapt(feature[:, 0].to(p.dtype)) @ p.sub_head.T).float()  # (B', N)
+        return torch.stack([full_vocab_logits(row, p.vocab_ids, p.vocab_size or 0) for row in sub])
 
 
 class LookupBatchDrafter:
@@ -676,7 +734,7 @@ class BatchEngine:
                 BatchDraft([[] for _ in active], None)
         else:
             ks = [self._draft_budget(r, self.drafter.name) for r in active]
-            if costs is not None and isinstance(self.drafter, ModelBatchDrafter):
+            if costs is not None and isinstance(self.drafter, ModelBatchDrafter):  # early exit too
                 ks = self._greedy_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
@@ -956,5 +1014,5 @@ class BatchEngine:
         return list(prompt)
 
 
-__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "FeatureBatchDrafter", "FirstBatchDrafter",
-           "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]
+__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "EarlyExitBatchDrafter", "FeatureBatchDrafter",
+           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]

@@ -377,18 +377,20 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 def engine_for(decoder: Any, slots: int) -> Any:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (layerskip, kangaroo, an int8 copy,
-    a model among several prophets, several prophets in a tree)."""
+    target or prophets have no batched path (an int8 copy, a model or early exit among
+    several prophets, several prophets in a tree)."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
         BatchLlama,
+        EarlyExitBatchDrafter,
         FeatureBatchDrafter,
         FirstBatchDrafter,
         LookupBatchDrafter,
         ModelBatchDrafter,
     )
     from specdec.drafters.feature import FeatureDrafter
+    from specdec.drafters.layerskip import LayerSkipDrafter
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.ngram import NgramDrafter
     from specdec.drafters.retrieval import RetrievalDrafter
@@ -400,10 +402,13 @@ def engine_for(decoder: Any, slots: int) -> Any:
     target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
     if target_model is None or not supports(target_model):
         return None
+    target = BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size)
     parts: list[BatchDrafter] = []
     for d in decoder.drafters:
         if isinstance(d, NgramDrafter | RetrievalDrafter):
             parts.append(LookupBatchDrafter(d))
+        elif isinstance(d, LayerSkipDrafter) and d.target is decoder.target:  # layerskip, kangaroo
+            parts.append(EarlyExitBatchDrafter(target, d))
         elif isinstance(d, FeatureDrafter):
             parts.append(FeatureBatchDrafter(d))
         elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
@@ -416,8 +421,7 @@ def engine_for(decoder: Any, slots: int) -> Any:
         if decoder.multi not in ("first", "best") or len(simple) != len(parts):
             return None
         drafter = FirstBatchDrafter(simple, best=decoder.multi == "best")
-    engine = BatchEngine(BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size), drafter,
-                         decoder.eos_token_ids, decoder.tokenizer)
+    engine = BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
     if drafter is not None and decoder.policy.needs_costs:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine

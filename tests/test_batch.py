@@ -630,3 +630,22 @@ def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prop
     if temperature == 0:
         plain = decoder.plain()
         assert [b.token_ids for b in batched] == [plain.generate(p, **settings).token_ids for p in prompts]
+
+
+def test_seeded_sampled_rows_keep_request_costs_and_the_others_follow_the_batch(tiny_pair):
+    """K policies that read costs: a greedy row and an unseeded sampled row decide from the
+    costs of a step at the batch's size (and take the step's common K); a seeded sampled row
+    from costs fixed for the request (`row_costs`), so its tokens never depend on the batch."""
+    from specdec.policy import make_policy
+
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    alone, shared = Costs(1.0, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, 0.1), Costs(1.0, {1: 1.0, 2: 3.0, 3: 5.0, 4: 7.0}, 0.1)
+    engine._costs = {1: alone, 2: shared, 4: shared}
+    engine.row_costs = alone
+    rows = [Request([5, 6, 7, 8], 6, SamplingParams(temperature), 3, seed, make_policy("auto", 3))
+            for temperature, seed in ((0.0, None), (1.0, None), (1.0, 7))]
+    engine.step(rows)
+    assert rows[0].policy.costs is shared and rows[1].policy.costs is shared
+    assert rows[2].policy.costs is alone
+    engine.generate(rows)
+    assert all(r.done for r in rows)

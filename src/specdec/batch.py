@@ -583,6 +583,14 @@ class FirstBatchDrafter:
 BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
 
 
+def _batch_free(req: Request) -> bool:
+    """Whether a row's K may follow the batch it shares steps with (costs at that batch size,
+    the step's common K): greedy rows (their tokens never depend on K) and unseeded sampled
+    rows. A seeded sampled row's K comes from costs fixed for the request, so its tokens are
+    the same alone, in any batch and under any load."""
+    return req.params.greedy or req.seed is None
+
+
 def _keep_drafting(reqs: Sequence[Request]) -> list[KeepDrafting | None]:
     """Each row's early stop (its policy's `keep_drafting`: the confidence policy's), or None."""
     return [r.policy.keep_drafting() if r.policy is not None else None for r in reqs]
@@ -744,10 +752,11 @@ class BatchEngine:
 
     @staticmethod
     def _greedy_cut(active: Sequence[Request], ks: Sequence[int], cut: Sequence[int]) -> list[int]:
-        """The step's common K applies to greedy rows only: a greedy row's tokens do not depend
-        on its K, a sampled row's draws do, so a sampled row keeps the K its own policy chose
-        from costs fixed for the request (`row_costs`), whatever shares the step."""
-        return [c if r.params.greedy else k for r, k, c in zip(active, ks, cut, strict=True)]
+        """The step's common K applies to greedy rows and unseeded sampled rows: a greedy row's
+        tokens do not depend on its K, and an unseeded row promises no particular tokens; a
+        seeded sampled row's draws depend on its K, so it keeps the K its own policy chose from
+        costs fixed for the request (`row_costs`), whatever shares the step."""
+        return [c if _batch_free(r) else k for r, k, c in zip(active, ks, cut, strict=True)]
 
     def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
                     text: str = "", finish_reason: str | None = None) -> RoundEvent:
@@ -897,10 +906,10 @@ class BatchEngine:
         if bucket not in self._costs:
             self._costs[bucket] = self._measure(active, max(r.k for r in rows))
         for r in rows:
-            if r.params.greedy:
+            if _batch_free(r):
                 r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
             elif r.policy.costs is None:  # type: ignore[union-attr]
-                # A sampled row's K must not depend on the batch: costs fixed for the request.
+                # A seeded sampled row's K must not depend on the batch: costs fixed for the request.
                 if self.row_costs is None:
                     self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
                 r.policy.costs = self.row_costs  # type: ignore[union-attr]

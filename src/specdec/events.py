@@ -11,7 +11,9 @@ from typing import Any
 class RoundEvent:
     index: int
     drafter: str | None  # who drafted this round; None for a plain decoding step
-    k: int  # draft length the policy asked for
+    # K of the round: on the per-request loop the policy's K cut to the length and context;
+    # on the one loop (specdec.batch) the tokens drafted after the step's cuts
+    k: int
     drafted: list[int]  # proposed tokens (the accepted path's candidates, for a tree)
     accepted: int  # how many drafted tokens the verifier accepted (a prefix; see accepted_out)
     next_token: int  # the recovered or bonus token that ends the round

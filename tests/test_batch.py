@@ -649,3 +649,21 @@ def test_seeded_sampled_rows_keep_request_costs_and_the_others_follow_the_batch(
     assert rows[2].policy.costs is alone
     engine.generate(rows)
     assert all(r.done for r in rows)
+
+
+def test_batched_step_costs_are_measured_once_per_machine_and_stored(tiny_pair, tmp_path, monkeypatch):
+    """The costs of a step of each batch-size bucket are stored with the decoder's own stored
+    costs: a decoder loaded again (another process) reads them and never measures again."""
+    from specdec.batch import BatchEngine
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    prompts = ["def main():", "import os\n", "class A:", "x = ["]
+
+    def run() -> None:
+        load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=3, draft_dtype=torch.float32).generate_many(
+            prompts, max_new_tokens=6, temperature=0.0)
+
+    run()
+    assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) >= 2  # the decoder's, and bucket 4's at least
+    monkeypatch.setattr(BatchEngine, "_measure", lambda *a, **k: pytest.fail("measured again"))
+    run()

@@ -655,6 +655,9 @@ class BatchEngine:
         # The costs a sampled row's policy decides from, the same for every request whatever
         # shares its steps (wiring.engine_for sets the decoder's stored costs; else one row's, measured)
         self.row_costs: Costs | None = None
+        # Where a bucket's measured costs are kept across processes (wiring.engine_for: the
+        # decoder's stored_batch_costs), or None: measured in each process
+        self.cost_store: Callable[[int, int, Callable[[], Costs]], Costs] | None = None
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
         # One step (or release) at a time: requests of several threads may step on one engine
@@ -883,7 +886,7 @@ class BatchEngine:
                 self._admit(rows)
                 _prefill(self.target, rows, "target_cached")
                 try:
-                    self._costs[size] = self._measure(rows, k_max)
+                    self._costs[size] = self._bucket_costs(size, rows, k_max)
                 finally:
                     for r in rows:
                         self.release(r)
@@ -904,7 +907,7 @@ class BatchEngine:
             return None
         bucket = self._bucket(len(active))
         if bucket not in self._costs:
-            self._costs[bucket] = self._measure(active, max(r.k for r in rows))
+            self._costs[bucket] = self._bucket_costs(bucket, active, max(r.k for r in rows))
         for r in rows:
             if _batch_free(r):
                 r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
@@ -914,6 +917,13 @@ class BatchEngine:
                     self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
                 r.policy.costs = self.row_costs  # type: ignore[union-attr]
         return self._costs[bucket]
+
+    def _bucket_costs(self, bucket: int, active: Sequence[Request], k_max: int) -> Costs:
+        """A bucket's step costs: from `cost_store` (the decoder's stored costs, measured once
+        per machine and settings) where the engine has one, else measured now on these rows."""
+        if self.cost_store is not None:
+            return self.cost_store(bucket, k_max, lambda: self._measure(active, k_max))
+        return self._measure(active, k_max)
 
     def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 3) -> Costs:
         slots, starts = [_slot(r) for r in active], [r.target_cached for r in active]

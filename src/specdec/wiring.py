@@ -427,5 +427,6 @@ def engine_for(decoder: Any, slots: int) -> Any:
         # tokens alone, in any batch, and in another process on this machine
         decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
         engine.row_costs = decoder._costs
+        engine.cost_store = decoder.stored_batch_costs
     cache[slots] = engine
     return engine

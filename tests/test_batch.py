@@ -667,3 +667,29 @@ def test_batched_step_costs_are_measured_once_per_machine_and_stored(tiny_pair, 
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) >= 2  # the decoder's, and bucket 4's at least
     monkeypatch.setattr(BatchEngine, "_measure", lambda *a, **k: pytest.fail("measured again"))
     run()
+
+
+@pytest.mark.parametrize("multi", ["first", "best"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, multi,
+                                                                                         temperature, monkeypatch):
+    """A draft model among several prophets (here after prompt lookup) on the one loop: its own
+    cache per row catches up on the tokens of rounds another prophet drafted; round for round
+    the per-request loop's drafts and tokens, greedy and T=1."""
+    from specdec.engine import SpeculativeDecoder
+    from specdec.wiring import engine_for
+
+    decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_pair['close']}", multi=multi, policy="fixed",
+                   draft_tokens=3, draft_dtype=torch.float32)
+    assert engine_for(decoder, 2) is not None
+    prompts = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
+    settings = dict(max_new_tokens=30, temperature=temperature, seed=4)
+    batched = [decoder.generate(p, **settings) for p in prompts]
+    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
+    alone = [decoder.generate(p, **settings) for p in prompts]
+    used = set()
+    for b, a in zip(batched, alone, strict=True):
+        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
+        assert b.token_ids == a.token_ids
+        used |= {e.drafter for e in b.events if e.drafted}
+    assert len(used) == 2  # both prophets drafted somewhere

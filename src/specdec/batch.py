@@ -526,7 +526,10 @@ class FirstBatchDrafter:
     and its own past rounds only, so it stays exact; the verifier sees one-hot q for a
     deterministic prophet's rows."""
 
-    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter], best: bool = False) -> None:
+    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter],
+                 best: bool = False) -> None:
+        if sum(isinstance(p, ModelBatchDrafter) and not isinstance(p, EarlyExitBatchDrafter) for p in parts) > 1:
+            raise ValueError("at most one draft model among several prophets (each row has one draft cache)")
         self.parts = list(parts)
         self.best = best
         self.name = "+".join(p.name for p in parts)
@@ -813,8 +816,10 @@ class BatchEngine:
         if req.slot is None:
             return
         self.target.free(req.slot)
-        if isinstance(self.drafter, ModelBatchDrafter):
-            self.drafter.lm.free(req.slot)
+        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter) else [self.drafter]
+        for part in parts:
+            if isinstance(part, ModelBatchDrafter) and part.lm is not self.target:
+                part.lm.free(req.slot)
         self._free.append(req.slot)
         req.slot = None
 

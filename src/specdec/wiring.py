@@ -377,8 +377,8 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 def engine_for(decoder: Any, slots: int) -> Any:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (an int8 copy, a model or early exit among
-    several prophets, several prophets in a tree)."""
+    target or prophets have no batched path (an int8 copy, two draft models among several
+    prophets, several prophets in a tree)."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
@@ -417,10 +417,10 @@ def engine_for(decoder: Any, slots: int) -> Any:
             return None
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
     if len(parts) > 1:
-        simple = [p for p in parts if isinstance(p, LookupBatchDrafter | FeatureBatchDrafter)]
-        if decoder.multi not in ("first", "best") or len(simple) != len(parts):
-            return None
-        drafter = FirstBatchDrafter(simple, best=decoder.multi == "best")
+        models = [p for p in parts if isinstance(p, ModelBatchDrafter) and not isinstance(p, EarlyExitBatchDrafter)]
+        if decoder.multi not in ("first", "best") or len(models) > 1:
+            return None  # a tree; or two draft models (each row has one draft cache)
+        drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
     engine = BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
     if drafter is not None and decoder.policy.needs_costs:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same

@@ -543,6 +543,27 @@ def test_a_rows_policy_observes_its_share_of_the_steps_time(tiny_pair):
     assert all(o.target_s > 0 for o in outcomes)
 
 
+def both_loops(decoder, prompts, monkeypatch, **settings):
+    """Each prompt generated on the one loop, then on the per-request loop (the same decoder,
+    settings and seed); asserts that the one loop verified, round for round, the same prophets'
+    drafts and gave the same tokens. Returns the one loop's Generations."""
+    from specdec.engine import SpeculativeDecoder
+    from specdec.wiring import engine_for
+
+    assert engine_for(decoder, 2) is not None  # the config runs on the one loop
+    batched = [decoder.generate(p, **settings) for p in prompts]
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
+        alone = [decoder.generate(p, **settings) for p in prompts]
+    for b, a in zip(batched, alone, strict=True):
+        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
+        assert b.token_ids == a.token_ids
+    return batched, alone
+
+
+REPEATING_PROMPTS = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
+
+
 @pytest.mark.parametrize("draft", ["close", "eagle"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_confidence_policy_stops_batched_drafts_where_the_per_request_loop_does(tiny_pair, tiny_eagle, draft,
@@ -550,20 +571,12 @@ def test_the_confidence_policy_stops_batched_drafts_where_the_per_request_loop_d
     """The confidence policy's early stop runs in batched drafting (a model's rows, a feature
     prophet's rows): the one loop drafts, round for round, the tokens the per-request loop
     drafts with the same policy, seed and settings, and some drafts do stop early."""
-    from specdec.engine import SpeculativeDecoder
-
     spec = {"close": tiny_pair["close"], "eagle": tiny_eagle}[draft]
     decoder = load(tiny_pair["target"], draft=spec, policy="confidence", draft_tokens=6, draft_dtype=torch.float32)
     decoder.policy.threshold = 0.6 if temperature == 0 else 0.3
-    settings = dict(max_new_tokens=40, temperature=temperature, seed=3)
-    batched = [decoder.generate(p, **settings) for p in ("def main():", "import os\n")]
-    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
-    alone = [decoder.generate(p, **settings) for p in ("def main():", "import os\n")]
-    short = 0
-    for b, a in zip(batched, alone, strict=True):
-        assert [e.drafted for e in b.events] == [e.drafted for e in a.events]
-        assert b.token_ids == a.token_ids
-        short += sum(0 < len(e.drafted) < e.k for e in a.events)  # a.events: k is the round's budget
+    _, alone = both_loops(decoder, ["def main():", "import os\n"], monkeypatch, max_new_tokens=40,
+                          temperature=temperature, seed=3)
+    short = sum(0 < len(e.drafted) < e.k for a in alone for e in a.events)  # alone: k is the round's budget
     assert short > 0  # the early stop happened (not only the length's cut)
 
 
@@ -572,23 +585,11 @@ def test_multi_best_chooses_per_row_as_the_per_request_loop_does(tiny_pair, tiny
     """--multi best on the one loop: each row's prophet is the one with the best recent tokens
     per round in its own request (Request.recent), so the one loop verifies, round for round,
     the drafts of the prophets the per-request loop picks, with the same tokens."""
-    from specdec.engine import SpeculativeDecoder
-    from specdec.wiring import engine_for
-
     decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", multi="best", policy="fixed", draft_tokens=3,
                    draft_dtype=torch.float32)
-    assert engine_for(decoder, 2) is not None
-    prompts = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
-    settings = dict(max_new_tokens=40, temperature=temperature, seed=5)
-    batched = [decoder.generate(p, **settings) for p in prompts]
-    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
-    alone = [decoder.generate(p, **settings) for p in prompts]
-    used = set()
-    for b, a in zip(batched, alone, strict=True):
-        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
-        assert b.token_ids == a.token_ids
-        used |= {e.drafter for e in b.events if e.drafted}
-    assert len(used) == 2  # both prophets drafted somewhere
+    batched, _ = both_loops(decoder, REPEATING_PROMPTS, monkeypatch, max_new_tokens=40, temperature=temperature,
+                            seed=5)
+    assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
 
 
 @pytest.mark.parametrize("prophet", ["layerskip:1", "kangaroo"])
@@ -600,8 +601,6 @@ def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prop
     round the same drafts as the per-request loop, the same tokens, greedy equal to plain,
     and batched rows equal to each alone."""
     from specdec.drafters.feature import FeatureHead, save_head
-    from specdec.engine import SpeculativeDecoder
-    from specdec.wiring import engine_for
 
     spec = prophet
     if prophet == "kangaroo":
@@ -615,17 +614,13 @@ def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prop
                   {"vocab_size": plain.target.vocab_size})
         spec = str(tmp_path / "k")
     decoder = load(tiny_pair["target"], draft=spec, policy="fixed", draft_tokens=3, draft_dtype=torch.float32)
-    assert engine_for(decoder, 2) is not None
     prompts = ["def main():", "import os\nimport os\nimport"]
     settings = dict(max_new_tokens=24, temperature=temperature, seed=2)
-    batched = [decoder.generate(p, **settings) for p in prompts]
+    batched, _ = both_loops(decoder, prompts, monkeypatch, **settings)
     many = decoder.generate_many([{"prompt": p, "seed": 2} for p in prompts], max_new_tokens=24,
                                  temperature=temperature)
-    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
-    alone = [decoder.generate(p, **settings) for p in prompts]
-    for b, a, m in zip(batched, alone, many, strict=True):
-        assert [e.drafted for e in b.events] == [e.drafted for e in a.events]
-        assert b.token_ids == a.token_ids == m.token_ids
+    for b, m in zip(batched, many, strict=True):
+        assert b.token_ids == m.token_ids
         assert sum(len(e.drafted) for e in b.events) > 0
     if temperature == 0:
         plain = decoder.plain()
@@ -676,20 +671,8 @@ def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_the_per_request_l
     """A draft model among several prophets (here after prompt lookup) on the one loop: its own
     cache per row catches up on the tokens of rounds another prophet drafted; round for round
     the per-request loop's drafts and tokens, greedy and T=1."""
-    from specdec.engine import SpeculativeDecoder
-    from specdec.wiring import engine_for
-
     decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_pair['close']}", multi=multi, policy="fixed",
                    draft_tokens=3, draft_dtype=torch.float32)
-    assert engine_for(decoder, 2) is not None
-    prompts = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
-    settings = dict(max_new_tokens=30, temperature=temperature, seed=4)
-    batched = [decoder.generate(p, **settings) for p in prompts]
-    monkeypatch.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
-    alone = [decoder.generate(p, **settings) for p in prompts]
-    used = set()
-    for b, a in zip(batched, alone, strict=True):
-        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
-        assert b.token_ids == a.token_ids
-        used |= {e.drafter for e in b.events if e.drafted}
-    assert len(used) == 2  # both prophets drafted somewhere
+    batched, _ = both_loops(decoder, REPEATING_PROMPTS, monkeypatch, max_new_tokens=30, temperature=temperature,
+                            seed=4)
+    assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere

@@ -179,8 +179,14 @@ def test_retrieval_is_greedy_exact(tiny_pair, plain_outputs, tmp_path):
     assert [o.token_ids for o in outs] == list(plain_outputs.values())
 
 
-def test_layerskip_passes_check_on_a_real_model(tiny_pair):
-    dec = load(tiny_pair["target"], draft="layerskip:2", draft_tokens=3)
+@pytest.mark.parametrize("spec,multi", [("layerskip:2", "auto"), ("ngram+{close}", "first"), ("ngram+{close}", "best")])
+def test_layerskip_passes_check_on_a_real_model(tiny_pair, spec, multi):
+    """`specdec check`'s chi-square on the batched rows of the one loop (certify samples
+    through generate_many): the target's early exit, and a draft model beside prompt lookup."""
+    from specdec.wiring import engine_for
+
+    dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), draft_tokens=3, multi=multi)
+    assert engine_for(dec, 2) is not None
     report = certify(dec, dec.plain(), "def ", tokens=2, samples=300, temperature=1.0)
     assert report.result.passed, report.result
     assert report.acceptance_rate > 0

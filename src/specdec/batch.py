@@ -178,20 +178,20 @@ class BatchLlama(LlamaWeights):
         k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
         v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
-        if n_rows == 1:  # a row alone (a request stepped by itself): no padding to fill or copy
-            keys, values, start, n_new, scored = rows[0]
-            keys[i, :, start : start + n_new] = k[0]
-            values[i, :, start : start + n_new] = v[0]
-            solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
-            one = exact_attention(q, keys[i][None], values[i][None], start, solo, gqa, self.attention_chunk)
-            return self._mm(one.transpose(1, 2).reshape(1, n, self.n_heads * hd), w["o"])  # (1, n, D)
-        out = torch.zeros_like(q)  # (B, Hq, n, hd); padded queries stay 0 and are discarded
+        # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
+        # by itself) has no padding: its attention is the output, nothing to fill or copy.
+        out = torch.zeros_like(q) if n_rows > 1 else None
         for b, (keys, values, start, n_new, scored) in enumerate(rows):
             keys[i, :, start : start + n_new] = k[b, :, :n_new]
             values[i, :, start : start + n_new] = v[b, :, :n_new]
             solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
-            out[b : b + 1, :, :n_new] = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None],
-                                                        start, solo, gqa, self.attention_chunk)
+            one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
+                                  self.attention_chunk)
+            if out is None:
+                out = one
+            else:
+                out[b : b + 1, :, :n_new] = one
+        assert out is not None
         return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
     @torch.inference_mode()
@@ -411,7 +411,7 @@ class EarlyExitBatchDrafter(ModelBatchDrafter):
             return self.target.forward_features(slots, starts, feeds, ones, layers=self.layers)[0][:, 0]
         _, feature = self.target.forward_features(slots, starts, feeds, ones, layers=self.layers, head=False)
         sub = (p.adapter.adapt(feature[:, 0].to(p.dtype)) @ p.sub_head.T).float()  # (B', N)
-        return torch.stack([full_vocab_logits(row, p.vocab_ids, p.vocab_size or 0) for row in sub])
+        return full_vocab_logits(sub, p.vocab_ids, p.vocab_size or 0)  # (B', V)
 
 
 class LookupBatchDrafter:
@@ -749,15 +749,15 @@ class BatchEngine:
         else:
             ks = [self._draft_budget(r, self.drafter.name) for r in active]
             if costs is not None and isinstance(self.drafter, ModelBatchDrafter):  # early exit too
-                ks = self._greedy_cut(active, ks, self._step_k(active, ks, costs))
+                ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
             lens = [len(t) for t in draft.tokens]
-            draft = draft.cut(self._greedy_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
+            draft = draft.cut(self._batch_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
         return draft
 
     @staticmethod
-    def _greedy_cut(active: Sequence[Request], ks: Sequence[int], cut: Sequence[int]) -> list[int]:
+    def _batch_cut(active: Sequence[Request], ks: Sequence[int], cut: Sequence[int]) -> list[int]:
         """The step's common K applies to greedy rows and unseeded sampled rows: a greedy row's
         tokens do not depend on its K, and an unseeded row promises no particular tokens; a
         seeded sampled row's draws depend on its K, so it keeps the K its own policy chose from
@@ -780,6 +780,19 @@ class BatchEngine:
             target_span=(g0 - t0, g1 - t0), accepted_by=[name] * e.accepted if name else [],
             proposals={name: len(e.drafted)} if name else {}, text=text,
             finish_reason=e.finish_reason if finish_reason is None else finish_reason)
+
+    def finish_step(self, e: StepEvent, finish: Finish) -> list[int]:
+        """A row's part in the last step, finished (specdec.finish): where a stop string now
+        appears, its tokens are cut there and the row ends ("stop", its slot freed). Returns
+        the tokens this step added to the row's output."""
+        r = e.request
+        before = len(r.generated) - len(e.committed)
+        keep = finish.cut(r.generated, before)
+        if keep is not None:
+            del r.generated[keep:]
+            r.finish_reason = "stop"
+            self.release(r)
+        return r.generated[before:]
 
     def _invalid(self, req: Request) -> str | None:
         """Why a joining request cannot run here, or None."""
@@ -1015,13 +1028,8 @@ class BatchEngine:
                 running.append(waiting.popleft())
             for e in self.step(running):
                 r, row = e.request, events[id(e.request)]
-                before = len(r.generated) - len(e.committed)
-                keep = finishes[id(r)].cut(r.generated, before)
-                if keep is not None:  # a stop string: the row ends here (specdec.finish)
-                    del r.generated[keep:]
-                    r.finish_reason = "stop"
-                    self.release(r)
-                row.append(self.round_event(e, len(row), t0, r.generated[before:], finish_reason=r.finish_reason))
+                added = self.finish_step(e, finishes[id(r)])
+                row.append(self.round_event(e, len(row), t0, added, finish_reason=r.finish_reason))
             running = [r for r in running if not r.done]
         out = []
         for r in requests:

@@ -352,13 +352,9 @@ class SpeculativeDecoder:
                 for e in engine.step([req]):  # none while a long prompt is still being prefilled
                     if req.error is not None:
                         raise ValueError(req.error)
-                    before = len(req.generated) - len(e.committed)
-                    keep = finish.cut(req.generated, before)
-                    if keep is not None:
-                        del req.generated[keep:]
-                        req.finish_reason = "stop"
+                    added = engine.finish_step(e, finish)
                     text = finish.release(req.generated, req.done) if release_text else ""
-                    yield engine.round_event(e, index, t0, req.generated[before:], text, req.finish_reason)
+                    yield engine.round_event(e, index, t0, added, text, req.finish_reason)
                     index += 1
         finally:
             engine.release(req)

@@ -469,15 +469,9 @@ class Scheduler:
         if req.error is not None:  # the engine refused this row alone; the others went on
             self._finish_row(engine, row, End("error", req.error, 400))
             return
-        before = len(req.generated) - len(e.committed)
-        finish = e.finish_reason
-        keep = row.finish.cut(req.generated, before)
-        if keep is not None:
-            del req.generated[keep:]
-            req.finish_reason = finish = "stop"
-            engine.release(req)
+        committed = engine.finish_step(e, row.finish)
+        finish = req.finish_reason
         delta = row.finish.release(req.generated, finish is not None)
-        committed = req.generated[before:]
         event = engine.round_event(e, row.rounds, row.t0, committed, delta, finish)
         row.rounds += 1
         row.tokens += len(committed)

@@ -135,7 +135,8 @@ def test_optimal_k_grows_with_acceptance_and_shrinks_with_cost():
 
 # ---------------------------------------------------------------- greedy equality on real models
 
-SPECS = ["ngram", "layerskip:1", "layerskip:2", "{close}+ngram", "{far}+{close}", "ngram+layerskip:2"]
+SPECS = ["ngram", "layerskip:1", "layerskip:2", "{close}+ngram", "{far}+{close}", "ngram+layerskip:2",
+         "{target}:int8"]
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +180,12 @@ def test_retrieval_is_greedy_exact(tiny_pair, plain_outputs, tmp_path):
     assert [o.token_ids for o in outs] == list(plain_outputs.values())
 
 
-@pytest.mark.parametrize("spec,multi", [("layerskip:2", "auto"), ("ngram+{close}", "first"), ("ngram+{close}", "best")])
+@pytest.mark.parametrize("spec,multi", [("layerskip:2", "auto"), ("{target}:int8", "auto"),
+                                        ("ngram+{close}", "first"), ("ngram+{close}", "best")])
 def test_layerskip_passes_check_on_a_real_model(tiny_pair, spec, multi):
     """`specdec check`'s chi-square on the batched rows of the one loop (certify samples
-    through generate_many): the target's early exit, and a draft model beside prompt lookup."""
+    through generate_many): the target's early exit, its int8 copy, and a draft model beside
+    prompt lookup."""
     from specdec.wiring import engine_for
 
     dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), draft_tokens=3, multi=multi)

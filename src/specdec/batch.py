@@ -116,8 +116,10 @@ class BatchLlama(LlamaWeights):
 
     INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
 
-    def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None) -> None:
-        super().__init__(model, name, vocab_size)
+    def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None, int8: bool = False,
+                 act_dtype: torch.dtype = torch.float32) -> None:
+        """int8: a compressed copy to draft with (see `LlamaWeights`)."""
+        super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
         self.slots = slots
         self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
         self.v_slots: list[torch.Tensor | None] = [None] * slots

@@ -26,7 +26,39 @@ from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_layout
 
-Weight = torch.Tensor | Int4Weight  # a product's weight: float, or 4-bit (specdec.int4, `--dtype int4`)
+
+class Int8Weight:
+    """A (rows, K) weight quantized to int8 per output row (weight-only, one scale per row):
+    x @ W.T through PyTorch's int8 weight kernel, activations in act_dtype. The products of
+    a compressed copy of a model to draft with (`--draft TARGET:int8`)."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype) -> None:
+        with torch.no_grad():
+            w = weight.float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+            self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(act_dtype)
+        self.act_dtype = act_dtype
+        self.shape = self.q.shape
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., rows), in act_dtype."""
+        flat = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
+        return torch._weight_int8pack_mm(flat, self.q, self.scale).view(*x.shape[:-1], self.shape[0])
+
+
+# a product's weight: float, 4-bit (specdec.int4, `--dtype int4`) or int8 (a drafting copy)
+Weight = torch.Tensor | Int4Weight | Int8Weight
+
+
+def _int8_of(owner: Any, name: str, act_dtype: torch.dtype, weight: torch.Tensor, key: Any) -> Int8Weight:
+    """The int8 copy of one of owner's products, made once and kept on it (keyed by the
+    float weight's identity and the activations' dtype): every view shares it."""
+    cache = owner.__dict__.setdefault("_specdec_int8", {})
+    full = (key, act_dtype)
+    if name not in cache or cache[name][0] != full:
+        cache[name] = (full, Int8Weight(weight, act_dtype))
+    return cache[name][1]
 
 
 def supports(model: Any) -> bool:
@@ -144,9 +176,12 @@ class LlamaWeights:
 
     A model loaded with dtype int4 carries 4-bit products (`specdec.int4.attach_int4`):
     those products (and the head) are then `Int4Weight`s, multiplied by PyTorch's CPU int4
-    kernel, with everything else in float32; `int4=False` reads the float weights only."""
+    kernel, with everything else in float32; `int4=False` reads the float weights only.
+    `int8=True`: the float weights' products (and the head) quantized to int8 per output row,
+    activations in act_dtype (`Int8Weight`), made once per layer and shared by every view."""
 
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int4: bool = True) -> None:
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int4: bool = True,
+                 int8: bool = False, act_dtype: torch.dtype = torch.float32) -> None:
         if not supports(model):
             raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
         cfg = model.config
@@ -159,17 +194,23 @@ class LlamaWeights:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inner = model.model
-        source = getattr(model, INT4_ATTR, None) if int4 else None
+        source = getattr(model, INT4_ATTR, None) if int4 and not int8 else None
         self.int4 = source is not None
+        self.int8, self.act_dtype = int8, act_dtype
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight
-            self.layers = [self._layer_weights(layer, source.layers[i] if source is not None else {})
+            self.layers = [self._layer_weights(layer, source.layers[i] if source is not None else {},
+                                               act_dtype if int8 else None)
                            for i, layer in enumerate(inner.layers)]
             self.final_norm = inner.norm.weight
             # tied embeddings: the same tensor; with dtype int4 an Int4Weight (the float one: head())
             self.lm_head: Any = model.lm_head.weight[: self.vocab_size]
             if source is not None and source.head is not None:
                 self.lm_head = source.head.first_rows(self.vocab_size)
+            if int8:
+                self.lm_head = _int8_of(model.lm_head, "weight", act_dtype,
+                                        model.lm_head.weight[: self.vocab_size],
+                                        (model.lm_head.weight.data_ptr(), self.vocab_size))
             positions = torch.arange(self.max_length, dtype=torch.float, device=self.embed.device)
             freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -215,6 +256,8 @@ class LlamaWeights:
         says); a float one with its rows padded as `row_policy` says where `bucket_rows` says so."""
         if isinstance(weight, Int4Weight):
             return weight.mm(x, self.int4_rows)
+        if isinstance(weight, Int8Weight):
+            return weight.mm(x)
         if not self.bucket_rows:
             return x @ weight.T
         flat = x.reshape(-1, x.shape[-1])
@@ -243,8 +286,9 @@ class LlamaWeights:
         return self._linear(F.silu(gate) * up, w, "down")
 
     @staticmethod
-    def _layer_weights(layer: Any, int4: dict[str, Int4Weight]) -> dict[str, Any]:
-        """The layer's norms and products (fused), each product 4-bit where `int4` holds it."""
+    def _layer_weights(layer: Any, int4: dict[str, Int4Weight], int8: torch.dtype | None = None) -> dict[str, Any]:
+        """The layer's norms and products (fused), each product 4-bit where `int4` holds it,
+        or (int8: the activations' dtype) every product int8."""
         att, mlp = layer.self_attn, layer.mlp
         fused = {
             "qkv": lambda: torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
@@ -267,6 +311,8 @@ class LlamaWeights:
             if name not in cache or cache[name][0] != key:
                 cache[name] = (key, make())
             weights[name] = cache[name][1]
+            if int8 is not None:
+                weights[name] = _int8_of(layer, name, int8, cache[name][1], key)
         return weights
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -294,12 +340,7 @@ class FastLlamaLM(LlamaWeights):
         """int8: the same weights quantized to int8 per output row (weight-only; activations in
         act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
         from the float weights (never from a model's 4-bit ones)."""
-        super().__init__(model, name, vocab_size, int4=not int8)
-        self.int8, self.act_dtype = int8, act_dtype
-        if int8:
-            with torch.no_grad():
-                self.layers = [self._quantize(w) for w in self.layers]
-                self._head_q = self._quantize({"head": self.lm_head})
+        super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
         # In bfloat16 on a CPU, attention over n queries at once rounds differently from n
         # one-token steps (measured on SmolLM2: logits up to 0.5 apart), so greedy speculative
         # output could leave plain decoding where two logits nearly tie. With exact_rows the
@@ -314,23 +355,6 @@ class FastLlamaLM(LlamaWeights):
         self.tokens: list[int] = []
         self.forward_calls = 0
         self.last_hidden = torch.zeros(0)
-
-    def _linear(self, x: torch.Tensor, w: dict[str, Any], name: str) -> torch.Tensor:
-        """x @ W.T, with int8 weights (one scale per output row) when the model is quantized."""
-        if self.int8:
-            return torch._weight_int8pack_mm(x.to(self.act_dtype), w[name + ".q"], w[name + ".s"])
-        return super()._linear(x, w, name)
-
-    def _quantize(self, weights: dict[str, Any]) -> dict[str, Any]:
-        out = dict(weights)
-        for name in ("qkv", "o", "gate_up", "down", "head"):
-            if name in weights:
-                w = weights[name].float()
-                scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-                out[name + ".q"] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-                out[name + ".s"] = scale.to(self.act_dtype)
-                del out[name]
-        return out
 
     @property
     def capacity(self) -> int:
@@ -393,8 +417,6 @@ class FastLlamaLM(LlamaWeights):
         self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
         if not head:
             return self.last_hidden
-        if self.int8:
-            return self._linear(self.last_hidden, self._head_q, "head").float()
         return self._mm(self.last_hidden, self.lm_head).float()
 
     @torch.inference_mode()

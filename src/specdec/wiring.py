@@ -377,8 +377,8 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 def engine_for(decoder: Any, slots: int) -> Any:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (an int8 copy, two draft models among several
-    prophets, several prophets in a tree)."""
+    target or prophets have no batched path (two draft models among several prophets,
+    several prophets in a tree)."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
@@ -411,8 +411,9 @@ def engine_for(decoder: Any, slots: int) -> Any:
             parts.append(EarlyExitBatchDrafter(target, d))
         elif isinstance(d, FeatureDrafter):
             parts.append(FeatureBatchDrafter(d))
-        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM) and not d.lm.int8:
-            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size)))
+        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
+            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
+                                                      int8=d.lm.int8, act_dtype=d.lm.act_dtype)))
         else:
             return None
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None

@@ -6,17 +6,17 @@
 
 Requests join and leave between rounds (continuous batching). Two ways to run them:
 
-- batched (`specdec.wiring.engine_for` gives an engine: a Llama target with one model, ngram
-  or feature prophet, ngram then a feature prophet (multi "first"), or none): up to
+- batched (`specdec.wiring.engine_for` gives an engine: a Llama target with no prophet, any
+  one prophet, or several with `--multi first` or `best` and at most one draft model): up to
   `max_batch` requests are rows of ONE `engine.step(rows)` per iteration, one drafting pass
   and one target forward for all of them, each row accepting its own number of tokens. Each
   row owns its generator and cache slot, so its tokens are those it would get alone (greedy:
-  exactly). The server decodes each row's text, releases only text that cannot change, and
-  applies stop strings itself. Each row has its own policy (`specdec.policy`, else the
-  decoder's kind; auto by default: K per row from its acceptance and the step costs measured
-  at startup for that batch size, up to `specdec.draft_tokens`, else the policy's K0) and
-  may keep to some of the prophets (`specdec.draft`).
-- round-robin (any other prophet: layerskip, kangaroo, retrieval, int8, a tree): up to
+  exactly). Text release and stop strings are `specdec.finish`'s, as for `generate`. Each
+  row has its own policy (`specdec.policy`, else the decoder's kind; auto by default: K per
+  row from its acceptance and the step costs measured at startup for that batch size, up to
+  `specdec.draft_tokens`, else the policy's K0) and may keep to some of the prophets
+  (`specdec.draft`).
+- round-robin (a transformers target, two draft models at once, a tree): up to
   `max_batch` run interleaved, round by round, each in a slot with its own decoder over the
   same weights (its own KV caches).
 

@@ -257,7 +257,8 @@ class Request:
     error: str | None = None  # why the engine refused this request (the others in its step go on)
     slot: int | None = None  # the cache slot this request holds while it runs
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
-    draft_cached: int = 0  # the same for the drafter's slot (its drafter state)
+    # the same for each draft model's slot (its drafter state), by the draft model's name
+    draft_cached: dict[str, int] = field(default_factory=dict)
     feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
@@ -324,7 +325,7 @@ class ModelBatchDrafter:
 
     def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
         """Seconds of one drafting step for these rows, per row."""
-        slots, starts = [_slot(r) for r in reqs], [r.draft_cached for r in reqs]
+        slots, starts = [_slot(r) for r in reqs], [self._cached(r) for r in reqs]
         if min(self.lm.max_length - s for s in starts) <= 1:
             return {self.name: 0.0}
         step = lambda: self.lm.forward(slots, starts, [[0]] * len(reqs), [1] * len(reqs))  # noqa: E731
@@ -334,14 +335,14 @@ class ModelBatchDrafter:
         return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
 
     def prefill(self, reqs: Sequence[Request]) -> None:
-        _prefill(self.lm, reqs, "draft_cached")
+        _prefill(self.lm, reqs, self.name)
 
     def _cached(self, req: Request) -> int:
         """Positions of the row's context already in the drafter's cache (drafting starts there)."""
-        return req.draft_cached
+        return _cached(req, self.name)
 
     def _fed(self, req: Request, n: int) -> None:
-        req.draft_cached += n  # its own cache keeps what it read
+        req.draft_cached[self.name] = self._cached(req) + n  # its own cache keeps what it read
 
     def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
         """One drafting step for these rows: logits (B', V) after each row's feed."""
@@ -530,8 +531,8 @@ class FirstBatchDrafter:
 
     def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter],
                  best: bool = False) -> None:
-        if sum(isinstance(p, ModelBatchDrafter) and not isinstance(p, EarlyExitBatchDrafter) for p in parts) > 1:
-            raise ValueError("at most one draft model among several prophets (each row has one draft cache)")
+        if len({p.name for p in parts}) < len(parts):
+            raise ValueError("each prophet among several needs a name of its own (a row keeps a cache per draft model)")
         self.parts = list(parts)
         self.best = best
         self.name = "+".join(p.name for p in parts)
@@ -606,15 +607,30 @@ def _slot(req: Request) -> int:
     return req.slot
 
 
-def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str, budget: int | None = None) -> None:
+TARGET = ""  # the target's cache, among a row's caches (the others: draft models, by name)
+
+
+def _cached(req: Request, cache: str) -> int:
+    """Leading context tokens of a row in one of its caches (TARGET, or a draft model's name)."""
+    return req.target_cached if cache == TARGET else req.draft_cached.get(cache, 0)
+
+
+def _set_cached(req: Request, cache: str, n: int) -> None:
+    if cache == TARGET:
+        req.target_cached = n
+    else:
+        req.draft_cached[cache] = n
+
+
+def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None) -> None:
     """Feed rows' prompts but their last token (later steps then feed few tokens per row):
-    with a budget, one chunk per row, from where the row is (`attr`: its cached length) to
+    with a budget, one chunk per row, from where the row is (its length in `cache`) to
     the next multiple of `budget` positions, for rows in order while the chunks fit `budget`
     tokens in all (at least one row); without, every row's whole prompt."""
     feeds: list[tuple[Request, int, int]] = []
     used = 0
     for r in reqs:
-        done, end = getattr(r, attr), len(r.prompt) - 1
+        done, end = _cached(r, cache), len(r.prompt) - 1
         if done >= end:
             continue
         stop = end if budget is None else min(end, (done // budget + 1) * budget)
@@ -626,11 +642,11 @@ def _prefill(lm: BatchLM, reqs: Sequence[Request], attr: str, budget: int | None
         lm.forward([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
                    [0] * len(feeds))
     for r, _, b in feeds:
-        setattr(r, attr, b)
+        _set_cached(r, cache, b)
 
 
-def _prefilled(req: Request, attr: str) -> bool:
-    return bool(getattr(req, attr) >= len(req.prompt) - 1)
+def _prefilled(req: Request, cache: str) -> bool:
+    return _cached(req, cache) >= len(req.prompt) - 1
 
 
 def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
@@ -688,8 +704,8 @@ class BatchEngine:
         self._admit(active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
-            _prefill(self.target, active, "target_cached", self.prefill_chunk)
-            active = [r for r in active if _prefilled(r, "target_cached")]
+            _prefill(self.target, active, TARGET, self.prefill_chunk)
+            active = [r for r in active if _prefilled(r, TARGET)]
         if not active:
             return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
@@ -825,7 +841,7 @@ class BatchEngine:
         """Free the cache slot (and its memory) of a request that leaves before it is done
         (cancelled, or ended by a stop string outside the engine). Safe to call on any request."""
         self._free_slot(req)
-        req.target_cached = req.draft_cached = 0
+        req.target_cached, req.draft_cached = 0, {}
 
     def _free_slot(self, req: Request) -> None:
         if req.slot is None:
@@ -845,7 +861,7 @@ class BatchEngine:
         if len(new) > len(self._free):
             raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
         for r in new:
-            r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, 0
+            r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, {}
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
         if self.drafter is not None:  # a drafter's own model is small: its prompt goes in at once
@@ -904,7 +920,7 @@ class BatchEngine:
             if size not in self._costs and len(self._free) >= size:
                 rows = [Request([0] * prompt_len, 1, SamplingParams(0.0), k_max) for _ in range(size)]
                 self._admit(rows)
-                _prefill(self.target, rows, "target_cached")
+                _prefill(self.target, rows, TARGET)
                 try:
                     self._costs[size] = self._bucket_costs(size, rows, k_max)
                 finally:
@@ -975,7 +991,7 @@ class BatchEngine:
                                             prophet if drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
-        req.draft_cached = min(req.draft_cached, before + n_accepted)
+        req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}
         if req.done:
             self._free_slot(req)
         return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],

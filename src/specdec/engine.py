@@ -313,7 +313,7 @@ class SpeculativeDecoder:
     def _one_loop(self) -> BatchEngine | None:
         """The batched engine this decoder's requests step on, each a batch of one, or None
         where its target or prophets have no batched path yet (`wiring.engine_for`: a
-        transformers model, two draft models among several, trees):
+        transformers model, trees):
         those run on the per-request loop below. The engine is the decoder's own
         (`ONE_LOOP_SLOTS` rows, memory per row as it grows): interleaved streams and threads
         take rows of it."""

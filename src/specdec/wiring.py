@@ -377,8 +377,7 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 def engine_for(decoder: Any, slots: int) -> Any:
     """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (two draft models among several prophets,
-    several prophets in a tree)."""
+    target or prophets have no batched path (several prophets in a tree)."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
@@ -418,9 +417,8 @@ def engine_for(decoder: Any, slots: int) -> Any:
             return None
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
     if len(parts) > 1:
-        models = [p for p in parts if isinstance(p, ModelBatchDrafter) and not isinstance(p, EarlyExitBatchDrafter)]
-        if decoder.multi not in ("first", "best") or len(models) > 1:
-            return None  # a tree; or two draft models (each row has one draft cache)
+        if decoder.multi not in ("first", "best"):
+            return None  # a tree
         drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
     engine = BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
     if drafter is not None and decoder.policy.needs_costs:

@@ -7,7 +7,7 @@
 Requests join and leave between rounds (continuous batching). Two ways to run them:
 
 - batched (`specdec.wiring.engine_for` gives an engine: a Llama target with no prophet, any
-  one prophet, or several with `--multi first` or `best` and at most one draft model): up to
+  one prophet, or several with `--multi first` or `best`): up to
   `max_batch` requests are rows of ONE `engine.step(rows)` per iteration, one drafting pass
   and one target forward for all of them, each row accepting its own number of tokens. Each
   row owns its generator and cache slot, so its tokens are those it would get alone (greedy:
@@ -16,7 +16,7 @@ Requests join and leave between rounds (continuous batching). Two ways to run th
   row from its acceptance and the step costs measured at startup for that batch size, up to
   `specdec.draft_tokens`, else the policy's K0) and may keep to some of the prophets
   (`specdec.draft`).
-- round-robin (a transformers target, two draft models at once, a tree): up to
+- round-robin (a transformers target, a tree): up to
   `max_batch` run interleaved, round by round, each in a slot with its own decoder over the
   same weights (its own KV caches).
 

@@ -199,6 +199,41 @@ def test_bfloat16_batch_rows_score_exactly_what_the_request_alone_scores():
         assert torch.equal(got[b, : len(feed)], want), b
 
 
+def test_bfloat16_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair):
+    """A token tree in a bfloat16 batch (each node seeing its ancestors only): the chain's last
+    token and every node score, bit for bit, what a one-token step at that place scores, so
+    greedy speculative decoding with --multi tree equals plain bfloat16 decoding."""
+    from specdec import load
+
+    model = smollm2_shaped().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    ctx, chain = torch.randint(97, (23,), generator=g).tolist(), torch.randint(97, (2,), generator=g).tolist()
+    tokens, parents = [5, 7, 9, 11, 13, 2], [-1, 0, 0, 1, -1, 3]
+    batch = BatchLlama(model, "b", slots=2)
+    batch.forward([1], [0], [ctx], [0])
+    got = batch.forward([1], [len(ctx)], [chain + tokens], [len(tokens) + 1], trees=[parents])[0]
+
+    def one_token_steps(seq):
+        fast = FastLlamaLM(model, "f")
+        fast.forward(ctx, 1)
+        return [fast.forward([t], 1)[0] for t in seq][-1]
+
+    assert torch.equal(got[0], one_token_steps(chain))
+    for i in range(len(tokens)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        assert torch.equal(got[i + 1], one_token_steps(chain + path)), i
+    spec = load(tiny_pair["target"], draft=f"{tiny_pair['far']}+ngram", multi="tree", policy="fixed", draft_tokens=4,
+                dtype=torch.bfloat16)
+    plain = spec.plain()
+    for prompt in ("def ", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["):
+        got_ids = spec.generate(prompt, max_new_tokens=32, temperature=0)
+        assert got_ids.token_ids == plain.generate(prompt, max_new_tokens=32, temperature=0).token_ids
+        assert max(e.tree_size for e in got_ids.events) > 1
+
+
 # ----------------------------------------------------------------- greedy equality per row
 
 PROMPT_LENGTHS, MAX_NEW, KS = (3, 9, 17, 5, 1, 30), (12, 20, 7, 16, 10, 14), (0, 1, 3, 5, 4, 2)
@@ -543,22 +578,18 @@ def test_a_rows_policy_observes_its_share_of_the_steps_time(tiny_pair):
     assert all(o.target_s > 0 for o in outcomes)
 
 
-def both_loops(decoder, prompts, monkeypatch, **settings):
-    """Each prompt generated on the one loop, then on the per-request loop (the same decoder,
-    settings and seed); asserts that the one loop verified, round for round, the same prophets'
-    drafts and gave the same tokens. Returns the one loop's Generations."""
-    from specdec.engine import SpeculativeDecoder
-    from specdec.wiring import engine_for
-
-    assert engine_for(decoder, 2) is not None  # the config runs on the one loop
-    batched = [decoder.generate(p, **settings) for p in prompts]
-    with monkeypatch.context() as m:
-        m.setattr(SpeculativeDecoder, "_one_loop", lambda self: None)
-        alone = [decoder.generate(p, **settings) for p in prompts]
-    for b, a in zip(batched, alone, strict=True):
-        assert [(e.drafter, e.drafted) for e in b.events] == [(e.drafter, e.drafted) for e in a.events]
-        assert b.token_ids == a.token_ids
-    return batched, alone
+def alone_and_together(decoder, prompts, **settings):
+    """Each prompt generated alone (a batch of one), then all as rows of one batch
+    (generate_many, the same settings and seed); asserts that each row verified, round for
+    round, the same prophets' drafts and gave the same tokens as the request alone: the
+    batched drafting (early stops, per-row choices, draft caches) depends on the row only.
+    Returns (alone, together)."""
+    alone = [decoder.generate(p, **settings) for p in prompts]
+    together = decoder.generate_many(prompts, max_batch=len(prompts), **settings)
+    for a, t in zip(alone, together, strict=True):
+        assert [(e.drafter, e.drafted) for e in t.events] == [(e.drafter, e.drafted) for e in a.events]
+        assert t.token_ids == a.token_ids
+    return alone, together
 
 
 REPEATING_PROMPTS = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "import os\nimport os\nimport"]
@@ -566,40 +597,40 @@ REPEATING_PROMPTS = ["def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,", "im
 
 @pytest.mark.parametrize("draft", ["close", "eagle"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_confidence_policy_stops_batched_drafts_where_the_per_request_loop_does(tiny_pair, tiny_eagle, draft,
-                                                                                    temperature, monkeypatch):
+def test_the_confidence_policy_stops_batched_drafts_as_it_stops_a_request_alone(tiny_pair, tiny_eagle, draft,
+                                                                                 temperature):
     """The confidence policy's early stop runs in batched drafting (a model's rows, a feature
-    prophet's rows): the one loop drafts, round for round, the tokens the per-request loop
-    drafts with the same policy, seed and settings, and some drafts do stop early."""
+    prophet's rows): each row drafts, round for round, the tokens its request drafts alone
+    with the same policy, seed and settings, and some drafts do stop early."""
     spec = {"close": tiny_pair["close"], "eagle": tiny_eagle}[draft]
     decoder = load(tiny_pair["target"], draft=spec, policy="confidence", draft_tokens=6, draft_dtype=torch.float32)
     decoder.policy.threshold = 0.6 if temperature == 0 else 0.3
-    _, alone = both_loops(decoder, ["def main():", "import os\n"], monkeypatch, max_new_tokens=40,
-                          temperature=temperature, seed=3)
-    short = sum(0 < len(e.drafted) < e.k for a in alone for e in a.events)  # alone: k is the round's budget
-    assert short > 0  # the early stop happened (not only the length's cut)
+    alone, _ = alone_and_together(decoder, ["def main():", "import os\n"], max_new_tokens=40,
+                                  temperature=temperature, seed=3)
+    # drafts shorter than K=6 while the length left allowed K: the early stop (not the length's cut)
+    short = sum(0 < len(e.drafted) < 6 for a in alone for e in a.events if e.index < len(a.events) - 3
+                and sum(len(x.committed) for x in a.events[: e.index]) + 7 <= 40)
+    assert short > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_multi_best_chooses_per_row_as_the_per_request_loop_does(tiny_pair, tiny_eagle, temperature, monkeypatch):
+def test_multi_best_chooses_per_row_as_for_a_request_alone(tiny_pair, tiny_eagle, temperature):
     """--multi best on the one loop: each row's prophet is the one with the best recent tokens
-    per round in its own request (Request.recent), so the one loop verifies, round for round,
-    the drafts of the prophets the per-request loop picks, with the same tokens."""
+    per round in its own request (Request.recent), so each row verifies, round for round,
+    the drafts of the prophets its request picks alone, with the same tokens."""
     decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", multi="best", policy="fixed", draft_tokens=3,
                    draft_dtype=torch.float32)
-    batched, _ = both_loops(decoder, REPEATING_PROMPTS, monkeypatch, max_new_tokens=40, temperature=temperature,
-                            seed=5)
+    batched, _ = alone_and_together(decoder, REPEATING_PROMPTS, max_new_tokens=40, temperature=temperature,
+                                    seed=5)
     assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
 
 
 @pytest.mark.parametrize("prophet", ["layerskip:1", "kangaroo"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prophet, temperature, tmp_path,
-                                                                 monkeypatch):
+def test_early_exit_drafts_for_rows_as_for_a_request_alone(tiny_pair, prophet, temperature, tmp_path):
     """layerskip and kangaroo on the one loop: the target's first layers draft in each row's
     own slot (entries past its committed tokens, overwritten by verification); round for
-    round the same drafts as the per-request loop, the same tokens, greedy equal to plain,
-    and batched rows equal to each alone."""
+    round a row drafts as its request alone, the same tokens, greedy equal to plain."""
     from specdec.drafters.feature import FeatureHead, save_head
 
     spec = prophet
@@ -616,12 +647,8 @@ def test_early_exit_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, prop
     decoder = load(tiny_pair["target"], draft=spec, policy="fixed", draft_tokens=3, draft_dtype=torch.float32)
     prompts = ["def main():", "import os\nimport os\nimport"]
     settings = dict(max_new_tokens=24, temperature=temperature, seed=2)
-    batched, _ = both_loops(decoder, prompts, monkeypatch, **settings)
-    many = decoder.generate_many([{"prompt": p, "seed": 2} for p in prompts], max_new_tokens=24,
-                                 temperature=temperature)
-    for b, m in zip(batched, many, strict=True):
-        assert b.token_ids == m.token_ids
-        assert sum(len(e.drafted) for e in b.events) > 0
+    batched, _ = alone_and_together(decoder, prompts, **settings)
+    assert all(sum(len(e.drafted) for e in b.events) > 0 for b in batched)
     if temperature == 0:
         plain = decoder.plain()
         assert [b.token_ids for b in batched] == [plain.generate(p, **settings).token_ids for p in prompts]
@@ -666,13 +693,12 @@ def test_batched_step_costs_are_measured_once_per_machine_and_stored(tiny_pair, 
 
 @pytest.mark.parametrize("multi", ["first", "best"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_the_per_request_loop_does(tiny_pair, multi,
-                                                                                         temperature, monkeypatch):
+def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_for_a_request_alone(tiny_pair, multi, temperature):
     """A draft model among several prophets (here after prompt lookup) on the one loop: its own
     cache per row catches up on the tokens of rounds another prophet drafted; round for round
-    the per-request loop's drafts and tokens, greedy and T=1."""
+    a row's drafts and tokens are its request's alone, greedy and T=1."""
     decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_pair['close']}", multi=multi, policy="fixed",
                    draft_tokens=3, draft_dtype=torch.float32)
-    batched, _ = both_loops(decoder, REPEATING_PROMPTS, monkeypatch, max_new_tokens=30, temperature=temperature,
-                            seed=4)
+    batched, _ = alone_and_together(decoder, REPEATING_PROMPTS, max_new_tokens=30, temperature=temperature,
+                                    seed=4)
     assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere

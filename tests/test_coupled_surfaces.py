@@ -1,6 +1,6 @@
 """Coupled sampling through the command line and the server: `specdec generate --sampling
-coupled` and the request field `"sampling": "coupled"` on both endpoints and both paths of
-the scheduler (batched rows and round-robin). A seeded coupled speculative answer is seeded
+coupled` and the request field `"sampling": "coupled"` on both endpoints, through
+the scheduler's batched rows. A seeded coupled speculative answer is seeded
 plain coupled sampling's, token for token, whatever K or the requests beside it; bad values
 are one line and exit 2 (CLI) or a 400 in OpenAI's shape (server). Tiny random models."""
 
@@ -79,12 +79,10 @@ def decoder(tiny_pair):
     return dec
 
 
-@pytest.fixture(scope="module", params=["batched", "round-robin"])
-def server(request, decoder):
-    config = ServerConfig(max_batch=4, max_tokens=64, max_draft_tokens=8, warm_up=False,
-                          batched=request.param == "batched")
+@pytest.fixture(scope="module")
+def server(decoder):
+    config = ServerConfig(max_batch=4, max_tokens=64, max_draft_tokens=8, warm_up=False)
     with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=60) as c:
-        assert c.get("/v1/models/tiny").json()["specdec"]["batching"] == request.param
         yield c, url
 
 

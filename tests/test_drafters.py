@@ -182,11 +182,13 @@ def test_retrieval_is_greedy_exact(tiny_pair, plain_outputs, tmp_path):
 
 @pytest.mark.parametrize("spec,multi", [("layerskip:2", "auto"), ("{target}:int8", "auto"),
                                         ("ngram+{close}", "first"), ("ngram+{close}", "best"),
-                                        ("{far}+{close}", "best")])
+                                        ("{far}+{close}", "best"), ("{far}+{close}", "tree"),
+                                        ("ngram+layerskip:2", "tree")])
 def test_layerskip_passes_check_on_a_real_model(tiny_pair, spec, multi):
     """`specdec check`'s chi-square on the batched rows of the one loop (certify samples
     through generate_many): the target's early exit, its int8 copy, a draft model beside
-    prompt lookup, and two draft models (a draft cache each per row)."""
+    prompt lookup, two draft models (a draft cache each per row), and token trees of two
+    draft models and of prompt lookup with the early exit (the tree verifier on rows)."""
     from specdec.wiring import engine_for
 
     dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), draft_tokens=3, multi=multi)

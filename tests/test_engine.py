@@ -41,9 +41,9 @@ def test_accounting_adds_up():
     assert sum(len(e.committed) for e in out.events) == 200
     assert all(len(e.committed) == e.accepted + 1 for e in out.events[:-1])
     assert s.tokens_per_round == pytest.approx((s.accepted + s.rounds) / s.rounds)
-    # the draft cache always ends a round holding a prefix of the committed tokens
-    assert draft.tokens == ([1, 2] + out.token_ids)[: len(draft.tokens)]
-    assert target.tokens == ([1, 2] + out.token_ids)[:-1]
+    # the request ran on rows of the one loop (views of their own, freed at its end):
+    # nothing of it lives in the decoder's models
+    assert draft.tokens == [] and target.tokens == []
 
 
 def test_token_id_prompts_are_validated():

@@ -10,7 +10,7 @@ must be caught by the same test, which proves the test has power.
 import pytest
 import torch
 
-import specdec.engine as engine_mod
+import specdec.ragged as ragged_mod
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
@@ -67,6 +67,47 @@ def test_several_drafters_are_lossless(multi):
     assert result.passed, result
 
 
+class UnknownProphet:
+    """A prophet the wiring has no batched class for (as one registered by a user): it
+    drafts on the one loop through `RowsDrafter`, a view of it per row."""
+
+    reads_features = False
+
+    def __init__(self, inner):
+        self.inner, self.name, self.vocab_size = inner, "unknown", inner.vocab_size
+
+    def propose(self, context, k, params, generator, keep_drafting=None):
+        return self.inner.propose(context, k, params, generator, keep_drafting)
+
+    def committed(self, context):
+        self.inner.committed(context)
+
+    def reset(self):
+        self.inner.reset()
+
+    def see_feature(self, position, feature):
+        pass
+
+    def for_request(self, target):
+        return UnknownProphet(self.inner.for_request(target))
+
+
+@pytest.mark.parametrize("multi", ["first", "tree"])
+def test_a_prophet_without_a_batched_class_is_lossless_on_the_one_loop(multi):
+    from specdec.batch import RowsDrafter
+    from specdec.wiring import engine_for
+
+    target, good, bad = models()
+    drafters = [UnknownProphet(ModelDrafter(good))] + ([ModelDrafter(bad)] if multi == "tree" else [])
+    decoder = SpeculativeDecoder(target, drafters, policy=Policy(3), multi=multi)
+    engine = engine_for(decoder, 2)
+    parts = getattr(engine.drafter, "parts", [engine.drafter])
+    assert isinstance(parts[0], RowsDrafter)
+    result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
+    assert result.passed, result
+    assert decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=1).stats.drafted > 0
+
+
 def test_plain_decoding_matches_the_exact_distribution():
     target, _, _ = models()
     result = fit_against_exact(SpeculativeDecoder(target), target, PROMPT, LENGTH, N, temperature=1.0)
@@ -97,7 +138,7 @@ def resample_from_p_verifier(draft_tokens, draft_probs, target_probs, generator)
 @pytest.mark.parametrize("wrong", [argmax_matching_verifier, resample_from_p_verifier])
 def test_negative_control_biased_verifier_is_caught(monkeypatch, wrong):
     target, good, _ = models()
-    monkeypatch.setattr(engine_mod, "verify_chain", wrong)
+    monkeypatch.setattr(ragged_mod, "verify_chain", wrong)  # the one loop's verifier of a row alone
     decoder = SpeculativeDecoder(target, ModelDrafter(good), policy=Policy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert not result.passed, result

@@ -183,16 +183,7 @@ def slow_decoder(tiny_pair):
     """A decoder whose rounds take 20 ms and that never meets EOS: requests of known length."""
     slow = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=1)
     slow.eos_token_ids = set()
-    rounds = slow.stream
-
-    def stream(*args, **kwargs):  # the round-robin path
-        for event in rounds(*args, **kwargs):
-            time.sleep(0.02)
-            yield event
-
-    slow.stream = stream
-    engine = engine_for(slow, 1)  # the batched path (cached on the decoder: the server gets this one)
-    assert engine is not None
+    engine = engine_for(slow, 1)  # the one loop's engine (cached on the decoder: the server gets this one)
     step = engine.step
 
     def slow_step(requests):
@@ -330,13 +321,27 @@ def test_stop_strings_on_the_batched_path_match_the_library(server, decoder):
     assert engine is not None and sorted(engine._free) == list(range(8))
 
 
-def test_round_robin_path_when_batching_is_off(decoder):
-    config = ServerConfig(batched=False)
-    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=30) as c:
-        assert c.get("/v1/models/tiny").json()["specdec"]["batching"] == "round-robin"
-        r = c.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 12, "temperature": 0})
-        assert r.json()["choices"][0]["text"] == plain_text(decoder, "def f(", 12)
-        assert _step_sizes(c) == (r.json()["specdec"]["rounds"], r.json()["specdec"]["rounds"])
+@pytest.mark.parametrize("spec,multi", [("ngram+{close}", "tree"), ("{close}:int8", "auto")])
+def test_token_trees_and_int8_copies_are_rows_of_batched_steps(tiny_pair, spec, multi):
+    """Every prophet kind runs batched in the server (once served round-robin): concurrent
+    requests share steps, each answer plain decoding's."""
+    import concurrent.futures
+
+    dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), multi=multi, draft_tokens=3)
+    prompts = ["def f(", "import os\n", "class A:", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
+    want = [plain_text(dec, p, 16) for p in prompts]
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=4, warm_up=False))) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/v1/models/tiny").json()["specdec"]["batching"] == "batched"
+
+        def one(p):
+            return c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0}).json()
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, prompts))
+        assert [g["choices"][0]["text"] for g in got] == want
+        steps, rows = _step_sizes(c)
+        assert rows > steps  # some steps scored several requests' rows
 
 
 def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):
@@ -397,13 +402,12 @@ def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eag
     assert {"ngram", "tiny-eagle", None} <= prophets
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "round-robin"])
-def test_a_request_may_ask_for_another_policy(tiny_pair, batched):
-    """specdec.policy per request, on both paths: greedy answers stay plain decoding's, and
+def test_a_request_may_ask_for_another_policy(tiny_pair):
+    """specdec.policy per request: greedy answers stay plain decoding's, and
     the policy really differs (fixed K=3 drafts 3 every round; the decoder's auto may not)."""
     dec = load(tiny_pair["target"], draft=tiny_pair["far"], policy="auto", draft_tokens=3)
     want = plain_text(dec, "def ", 24)
-    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=2, batched=batched))) as url, \
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=2))) as url, \
             httpx.Client(base_url=url, timeout=30) as c:
         for pol in ("fixed", "adaptive", "confidence", "optimal", "auto"):
             body = {"prompt": "def ", "max_tokens": 24, "temperature": 0, "stream": True,

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specdec.costmodel import (
     Costs,
@@ -38,11 +39,11 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
 from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
 from specdec.drafters.ngram import NgramDrafter
-from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
-from specdec.finish import Finish, check_stops
-from specdec.policy import Policy, RoundOutcome, best_first, make_policy, observe_recent
+from specdec.finish import Finish
+from specdec.lm import common_prefix, tree_layout
+from specdec.policy import Policy, RoundOutcome, best_first, observe_recent
 from specdec.ragged import verify_rows
 from specdec.sampling import (
     KeepDrafting,
@@ -53,6 +54,7 @@ from specdec.sampling import (
     draw,
     logits_to_probs,
 )
+from specdec.verify import DraftTree, verify_tree
 
 
 class BatchLM(Protocol):
@@ -70,15 +72,22 @@ class BatchLM(Protocol):
         ...
 
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                n_logits: Sequence[int]) -> torch.Tensor:
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
         """Row b: new_ids[b] into cache slot slots[b] at positions starts[b].., seeing that
         slot's first starts[b] entries. Returns logits (B, max(n_logits), V): entry j of row b
-        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding."""
+        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding.
+        trees[b]: the parents of a token tree ending row b's new ids (see `BatchLlama.forward`)."""
+        ...
+
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass: the accepted nodes' entries moved to base, base + 1, ..."""
         ...
 
     def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As forward, also returning the hidden states (B, max(n_logits), D) the head read."""
+                         n_logits: Sequence[int], layers: int | None = None,
+                         head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the hidden states (B, max(n_logits), D) the head read;
+        layers: the first ones only (an early exit; head=False: features only)."""
         ...
 
 
@@ -167,11 +176,12 @@ class BatchLlama(LlamaWeights):
         return k, v
 
     def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
-                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> torch.Tensor:
+                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor | None]]
+                   ) -> torch.Tensor:
         """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
-        tokens, scored tokens). Each row writes its new keys/values by position into its own
-        slot (entries past its committed length are stale, overwritten later) and attends
-        over them alone."""
+        tokens, scored tokens, tree mask or None). Each row writes its new keys/values by
+        position into its own slot (entries past its committed length are stale, overwritten
+        later) and attends over them alone: causally, or (a token tree) as its mask allows."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
         q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
@@ -183,12 +193,20 @@ class BatchLlama(LlamaWeights):
         # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
         # by itself) has no padding: its attention is the output, nothing to fill or copy.
         out = torch.zeros_like(q) if n_rows > 1 else None
-        for b, (keys, values, start, n_new, scored) in enumerate(rows):
+        for b, (keys, values, start, n_new, scored, mask) in enumerate(rows):
             keys[i, :, start : start + n_new] = k[b, :, :n_new]
             values[i, :, start : start + n_new] = v[b, :, :n_new]
-            solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
-            one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
-                                  self.attention_chunk)
+            if mask is not None and self.exact_rows:  # a tree, each scored query as a one-token step attends
+                one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, mask,
+                                           scored - 1, gqa)
+            elif mask is not None:  # a token tree: each node sees the context, the chain and its ancestors
+                end = start + n_new
+                one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end],
+                                                     values[i][None, :, :end], attn_mask=mask, enable_gqa=gqa)
+            else:
+                solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
+                one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
+                                      self.attention_chunk)
             if out is None:
                 out = one
             else:
@@ -196,16 +214,49 @@ class BatchLlama(LlamaWeights):
         assert out is not None
         return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
+    def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                        mask: torch.Tensor, tree: int, gqa: bool) -> torch.Tensor:
+        """A chain then a token tree of `tree` nodes (mask: `tree_layout`'s), attended so that each scored
+        query computes exactly what a one-token step at its place would: the chain through
+        `exact_attention` (its last query alone), and each node alone over the keys it sees,
+        gathered in order (context, chain, its ancestors, itself), as one contiguous sequence.
+        In bfloat16 (and with 4-bit products) a tree row then scores what plain decoding scores."""
+        n = q.shape[2]
+        allowed = mask[:, start:]  # (n, n): which new positions each new query sees
+        chain = n - tree
+        parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
+        for j in range(chain, n):
+            seen = start + allowed[j].nonzero().flatten()
+            idx = torch.cat([torch.arange(start, device=q.device), seen])
+            parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
+                                                        enable_gqa=gqa))
+        return torch.cat(parts, dim=2)
+
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                n_logits: Sequence[int]) -> torch.Tensor:
-        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V)."""
-        return self.forward_features(slots, starts, new_ids, n_logits)[0]
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V). trees: per row,
+        None, or the parents of a token tree (see `specdec.verify.DraftTree`) whose nodes are
+        the row's last len(parents) new ids: each node sits at (chain end + its depth) and
+        sees only its ancestors (`keep_path` then keeps the accepted ones)."""
+        return self.forward_features(slots, starts, new_ids, n_logits, trees=trees)[0]
+
+    @torch.inference_mode()
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass whose nodes sat from position `base` on: move the accepted path's
+        entries (node indices, root to leaf) to base, base + 1, ...; the rest are stale. Their
+        keys carry the right rotary positions (chain end + depth) already."""
+        k, v = self.k_slots[slot], self.v_slots[slot]
+        if not path or k is None or v is None or list(path) == list(range(len(path))):
+            return
+        src = torch.tensor([base + node for node in path], dtype=torch.long, device=k.device)
+        k[:, :, base : base + len(path)] = k[:, :, src]
+        v[:, :, base : base + len(path)] = v[:, :, src]
 
     @torch.inference_mode()
     def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int], layers: int | None = None,
-                         head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `forward`, also returning the hidden states the head read (B, max(n_logits), D),
         after the final norm: the features that feature prophets draft from. layers: only the
         first ones (early exit: the entries they write for these positions are provisional);
@@ -215,10 +266,17 @@ class BatchLlama(LlamaWeights):
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
         if end > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
-        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored)
-                for slot, start, ids, scored in zip(slots, starts, new_ids, n_logits, strict=True)]
-        ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
+        masks: list[torch.Tensor | None] = [None] * len(slots)
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
+        for b, parents in enumerate(trees or []):
+            if parents:
+                chain = len(new_ids[b]) - len(parents)
+                where, allowed = tree_layout(starts[b], chain, parents)
+                positions[b, : len(where)] = where.to(device)
+                masks[b] = allowed.to(device)
+        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, mask)
+                for slot, start, ids, scored, mask in zip(slots, starts, new_ids, n_logits, masks, strict=True)]
+        ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
         for i, w in enumerate(self.layers[:layers]):
@@ -302,6 +360,10 @@ class StepEvent:
     prophet: str | None = None  # whose draft was verified (None: no draft, a plain step)
     # perf_counter spans of the step's drafting and of its target pass (the row's share of both)
     spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+    # a token tree (multi="tree"): its nodes, the prophet of each accepted token, tokens proposed per prophet
+    tree_size: int = 0
+    accepted_by: list[str] | None = None
+    proposals: dict[str, int] | None = None
 
 
 @dataclass
@@ -310,6 +372,10 @@ class BatchDraft:
     probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
     names: list[str | None] | None = None  # the prophet of each row's draft (None: the drafter's name)
     one_hot: list[bool] | None = None  # rows whose q is one-hot (probs ignored there): greedy or lookup
+    # multi="tree": each row's prophets' chains merged into one token tree (tokens then unused),
+    # and each row's chains by prophet (a draft model's cache keeps what agrees with the path)
+    trees: list[DraftTree] | None = None
+    chains: list[dict[str, list[int]]] | None = None
 
     def cut(self, ks: Sequence[int]) -> BatchDraft:
         return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)
@@ -320,8 +386,8 @@ class ModelBatchDrafter:
 
     reads_features = False
 
-    def __init__(self, lm: BatchLM) -> None:
-        self.lm, self.name = lm, lm.name
+    def __init__(self, lm: BatchLM, name: str | None = None) -> None:
+        self.lm, self.name = lm, name or lm.name
 
     def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
         """Seconds of one drafting step for these rows, per row."""
@@ -385,7 +451,7 @@ class EarlyExitBatchDrafter(ModelBatchDrafter):
     row's committed tokens, where the verification pass overwrites them; the row's cached
     length never moves while drafting. No model and no cache of its own."""
 
-    def __init__(self, target: BatchLlama, prophet: LayerSkipDrafter) -> None:
+    def __init__(self, target: BatchLM, prophet: LayerSkipDrafter) -> None:
         super().__init__(target)
         self.target, self.prophet, self.name = target, prophet, prophet.name
         self.layers = prophet.layers
@@ -439,6 +505,54 @@ class LookupBatchDrafter:
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         return BatchDraft([self.prophet.propose(r.context, k, r.params, None).tokens if k else []
                            for r, k in zip(reqs, ks, strict=True)], None)
+
+
+class RowsDrafter(LookupBatchDrafter):
+    """Any prophet (`specdec.drafters.base.Drafter`) for rows, one row after another: a view
+    of it per cache slot (`for_request`: the same weights, state of its own), told what each
+    row committed before it drafts, and the target's feature where it reads features. The
+    one loop's adapter for a prophet registered without a batched path; its q is its own."""
+
+    def __init__(self, prophet: Drafter, target: Any, slots: int) -> None:
+        super().__init__(prophet)
+        self.target, self.reads_features = target, prophet.reads_features
+        self.views: list[Drafter | None] = [None] * slots
+        self._per_token = 0.0  # seconds per drafted token, as last seen
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {self.name: self._per_token}
+
+    def free(self, slot: int) -> None:
+        self.views[slot] = None
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        q_rows: dict[int, torch.Tensor] = {}
+        t0, drafted = time.perf_counter(), 0
+        for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            if not k:
+                continue
+            view = self.views[_slot(r)]
+            if view is None:
+                view = self.views[_slot(r)] = self.prophet.for_request(self.target)
+                view.reset()
+            view.committed(r.context)
+            if self.reads_features and r.feature is not None:
+                view.see_feature(len(r.context) - 2, r.feature)
+            keep = r.policy.keep_drafting() if r.policy is not None else None
+            d = view.propose(r.context, k, r.params, r.generator, keep)
+            tokens[b], drafted = list(d.tokens), drafted + len(d.tokens)
+            if d.probs is not None and d.tokens:
+                q_rows[b] = d.probs[: len(d.tokens)]
+        if drafted:
+            self._per_token = (time.perf_counter() - t0) / drafted
+        if not q_rows:
+            return BatchDraft(tokens, None)
+        first = next(iter(q_rows.values()))
+        probs = torch.zeros(len(reqs), max(len(t) for t in tokens), first.shape[-1], device=first.device)
+        for b, q in q_rows.items():
+            probs[b, : len(q)] = q
+        return BatchDraft(tokens, probs, one_hot=[b not in q_rows for b in range(len(reqs))])
 
 
 class NgramBatchDrafter(LookupBatchDrafter):
@@ -586,7 +700,51 @@ class FirstBatchDrafter:
         return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
 
 
-BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter
+class TreeBatchDrafter:
+    """Several prophets, every one drafting for each row (`multi="tree"`): a row's chains are
+    merged into one token tree (`specdec.verify.DraftTree`), scored in one pass with a tree
+    mask and verified by recursive rejection sampling (`verify_tree`), exact at every
+    temperature: each chain was drawn independently of the others, from its own q."""
+
+    reads_features = False
+
+    def __init__(self, parts: Sequence[LookupBatchDrafter | ModelBatchDrafter]) -> None:
+        if len({p.name for p in parts}) < len(parts):
+            raise ValueError("each prophet in a tree needs a name of its own (a row keeps a cache per draft model)")
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in parts)
+
+    def room(self, req: Request) -> int:
+        return min(p.room(req) for p in self.parts)
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        for p in self.parts:
+            p.prefill(reqs)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """ks: each row's K for its tree (every prophet the row may use drafts up to it)."""
+        trees = [DraftTree() for _ in reqs]
+        chains: list[dict[str, list[int]]] = [{} for _ in reqs]
+        for part in self.parts:
+            part_ks = [k if r.prophets is None or part.name in r.prophets else 0
+                       for r, k in zip(reqs, ks, strict=True)]
+            if not any(part_ks):
+                continue
+            got = part.propose(reqs, part_ks)
+            for b, t in enumerate(got.tokens):
+                if t:
+                    deterministic = got.probs is None or bool(got.one_hot and got.one_hot[b])
+                    trees[b].add_chain(t, None if deterministic or got.probs is None else got.probs[b, : len(t)],
+                                       part.name)
+                    chains[b][part.name] = t
+        return BatchDraft([[] for _ in reqs], None, trees=trees, chains=chains)
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
+
+
+BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter | TreeBatchDrafter
+TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
 
 
 def _batch_free(req: Request) -> bool:
@@ -716,6 +874,8 @@ class BatchEngine:
         draft = self._draft(active, costs)
         lens = [len(t) for t in draft.tokens]
         d1 = time.perf_counter()
+        if draft.trees is not None:
+            return refused + self._tree_step(active, draft, d0, d1)
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         feeds = [r.context[r.target_cached:] + t for r, t in zip(active, draft.tokens, strict=True)]
         args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [k + 1 for k in lens])
@@ -753,6 +913,45 @@ class BatchEngine:
                 v.n_accepted + 1 and not r.done else None
         return refused + events
 
+    def _tree_step(self, active: Sequence[Request], draft: BatchDraft, d0: float, d1: float) -> list[StepEvent]:
+        """Steps 3-5 with a token tree per row: one target pass scores each row's pending
+        tokens then its tree (nodes at chain end + depth, each seeing its ancestors only);
+        each row's tree is verified by recursive rejection sampling; the accepted path's
+        cache entries move next to the committed ones."""
+        assert draft.trees is not None and draft.chains is not None
+        trees = draft.trees
+        feeds = [r.context[r.target_cached:] + t.tokens for r, t in zip(active, trees, strict=True)]
+        starts = [r.target_cached for r in active]
+        logits = self.target.forward([_slot(r) for r in active], starts, feeds, [len(t.tokens) + 1 for t in trees],
+                                     trees=[t.parents for t in trees])
+        for r, f in zip(active, feeds, strict=True):
+            r.target_cached += len(f)
+        t1 = time.perf_counter()
+        self.last_spans = ((d0, d1), (d1, t1))
+        share = ((d1 - d0) / len(active), (t1 - d1) / len(active))
+        events = []
+        for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
+            n, at = len(tree.tokens), len(r.context)  # at: the root's position
+            p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
+            depth: list[int] = []
+            for parent in tree.parents:  # a parent comes before its children
+                depth.append(0 if parent < 0 else depth[parent] + 1)
+            p = couple(p, r.params, at, [at] + [at + d + 1 for d in depth])
+            verdict = verify_tree(tree, p, r.generator)
+            self.target.keep_path(_slot(r), at, verdict.path)
+            path = [tree.tokens[node] for node in verdict.path]
+            for name, chain in draft.chains[b].items():  # a draft model's cache: what agrees with the path
+                if name in r.draft_cached:
+                    r.draft_cached[name] = min(r.draft_cached[name], at + common_prefix(chain, path))
+            k = max((len(c) for c in draft.chains[b].values()), default=0)
+            e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, TREE if n else None, share,
+                             n_drafted=k)
+            e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
+            e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
+            e.prophet = "+".join(e.proposals) if n else None
+            events.append(e)
+        return events
+
     def _draft(self, active: Sequence[Request], costs: Costs | None) -> BatchDraft:
         """Up to k_b tokens per row (never past max_new_tokens or a context). Rows are padded
         to the longest feed, so with auto rows one K for the step is chosen from the rows'
@@ -760,6 +959,9 @@ class BatchEngine:
         the others (a lookup is free, a feature prophet's batched step nearly so)."""
         if self.drafter is None:
             return BatchDraft([[] for _ in active], None)
+        if isinstance(self.drafter, TreeBatchDrafter):  # a tree per row, K from the row's policy
+            ks = [self._draft_budget(r, TREE) for r in active]
+            return self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         if isinstance(self.drafter, FirstBatchDrafter):
             ks = [self._draft_budget(r) for r in active]
             draft = self.drafter.propose(active, ks, budget=self._draft_budget) if any(ks) else \
@@ -790,14 +992,24 @@ class BatchEngine:
         (d0, d1), (g0, g1) = e.spans
         name = e.prophet
         return RoundEvent(
-            index=index, drafter=name, k=len(e.drafted), drafted=list(e.drafted), accepted=e.accepted,
+            index=index, drafter=name, k=max(e.proposals.values(), default=0) if e.proposals else len(e.drafted),
+            drafted=list(e.drafted), accepted=e.accepted,
             next_token=e.next_token, next_kind=e.next_kind,
             committed=list(e.committed if committed is None else committed),
-            draft_calls=len(e.drafted) if isinstance(self.drafter, ModelBatchDrafter) else 0, target_calls=1,
+            draft_calls=self._draft_calls(e), target_calls=1,
             start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
-            target_span=(g0 - t0, g1 - t0), accepted_by=[name] * e.accepted if name else [],
-            proposals={name: len(e.drafted)} if name else {}, text=text,
+            target_span=(g0 - t0, g1 - t0), tree_size=e.tree_size,
+            accepted_by=e.accepted_by if e.accepted_by is not None else [name] * e.accepted if name else [],
+            proposals=e.proposals if e.proposals is not None else {name: len(e.drafted)} if name else {}, text=text,
             finish_reason=e.finish_reason if finish_reason is None else finish_reason)
+
+    def _draft_calls(self, e: StepEvent) -> int:
+        """Forward passes of draft models (or the early exit) a row's draft took: one per token."""
+        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
+            else [self.drafter]
+        models = {p.name for p in parts if isinstance(p, ModelBatchDrafter)}
+        proposals = e.proposals if e.proposals is not None else {e.prophet: len(e.drafted)} if e.prophet else {}
+        return sum(n for name, n in proposals.items() if name in models)
 
     def finish_step(self, e: StepEvent, finish: Finish) -> list[int]:
         """A row's part in the last step, finished (specdec.finish): where a stop string now
@@ -847,10 +1059,13 @@ class BatchEngine:
         if req.slot is None:
             return
         self.target.free(req.slot)
-        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter) else [self.drafter]
+        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
+            else [self.drafter]
         for part in parts:
             if isinstance(part, ModelBatchDrafter) and part.lm is not self.target:
                 part.lm.free(req.slot)
+            elif isinstance(part, RowsDrafter):
+                part.free(req.slot)
         self._free.append(req.slot)
         req.slot = None
 
@@ -871,7 +1086,7 @@ class BatchEngine:
         """K for this step: of `prophet` as the request's policy chooses it (None: the largest
         the request allows), cut so a step never overshoots max_new_tokens (a step yields up
         to K+1 tokens) or the target's or drafter's context."""
-        if self.drafter is None or req.k == 0 or (prophet is not None and req.prophets is not None
+        if self.drafter is None or req.k == 0 or (prophet not in (None, TREE) and req.prophets is not None
                                                    and prophet not in req.prophets):
             return 0
         k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
@@ -973,10 +1188,12 @@ class BatchEngine:
         return Costs(t_verify[1], t_verify, max(by_name.values(), default=0.0), 1, by_name)
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
-                prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0)) -> StepEvent:
+                prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
+                n_drafted: int | None = None) -> StepEvent:
         """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context;
-        the row's policy observes the round with the row's share of the step's draft and
-        target time."""
+        the row's policy observes the round (n_drafted: the K it drafted, default
+        len(drafted); a tree's accepted path is shorter) with the row's share of the step's
+        draft and target time."""
         before = len(req.context)
         for token in [*drafted[:n_accepted], next_token]:
             req.generated.append(token)
@@ -984,11 +1201,12 @@ class BatchEngine:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
-        if drafted and prophet is not None:  # the multi="best" choice's evidence, as the per-request loop keeps it
+        n_drafted = len(drafted) if n_drafted is None else n_drafted
+        if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
             observe_recent(req.recent, prophet, n_accepted)
         if req.policy is not None and self.drafter is not None:
-            req.policy.observe(RoundOutcome(len(drafted), n_accepted, share[0], share[1], 1 if drafted else 0,
-                                            prophet if drafted else None))
+            req.policy.observe(RoundOutcome(n_drafted, n_accepted, share[0], share[1], 1 if n_drafted else 0,
+                                            prophet if n_drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}
@@ -1018,25 +1236,14 @@ class BatchEngine:
         return requests
 
     def run_jobs(self, decoder: Any, jobs: list[dict[str, Any]]) -> list[Any]:
-        """SpeculativeDecoder.generate_many's batched path: jobs (settings per prompt) ->
-        Generations, prompts encoded and checked by the decoder as `generate` does."""
+        """SpeculativeDecoder.generate_many: jobs (the arguments of `generate`, per prompt) ->
+        Generations, each request made by the decoder as `generate` makes it."""
         from specdec.generation import Generation
         from specdec.stats import summarize
 
-        requests = []
-        for job in jobs:
-            ids = decoder.prompt_ids(job.get("prompt"), job.get("messages"))
-            if len(ids) >= self.target.max_length:  # as `generate` says it, before any work is done
-                raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
-                                         f"{self.target.max_length} tokens: shorten the prompt")
-            k = job.get("draft_tokens") or decoder.policy.k0
-            requests.append(Request(ids, job.get("max_new_tokens", MAX_NEW_TOKENS),
-                                    SamplingParams(job.get("temperature", TEMPERATURE), job.get("top_k"),
-                                                   job.get("top_p", TOP_P)),
-                                    k if self.drafter is not None else 0, job.get("seed"),
-                                    make_policy(decoder.policy.name, k), sampling=job.get("sampling", "rejection")))
-        finishes = {id(r): Finish(decoder.tokenizer, check_stops(job.get("stop"), decoder.tokenizer))
-                    for r, job in zip(requests, jobs, strict=True)}
+        made = [decoder.request(**job) for job in jobs]  # each checked and made as `generate` makes it
+        requests = [r for r, _ in made]
+        finishes = {id(r): f for r, f in made}
         t0 = time.perf_counter()
         events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
         width = self.target.slots
@@ -1065,4 +1272,5 @@ class BatchEngine:
 
 
 __all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "EarlyExitBatchDrafter", "FeatureBatchDrafter",
-           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent"]
+           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent",
+           "RowsDrafter", "TreeBatchDrafter"]

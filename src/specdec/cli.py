@@ -441,8 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                          "(default: $SPECDEC_API_KEY; none when unset)")
     sv.add_argument("--max-batch", type=int, default=32,
-                    help="requests decoded together: one batched step where the prophet has a batched path, "
-                         "else round by round")
+                    help="requests decoded together: the rows of one batched step")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch; more get 429")
     sv.add_argument("--timeout", type=float, default=600.0,
                     help="per-request deadline in seconds from arrival (0 = none); a request past it stops")

@@ -1,23 +1,25 @@
-"""The loop: draft -> score -> verify -> commit, one `RoundEvent` per round.
+"""The decoder: a target, its prophets, a tokenizer and a K policy, and the API over them
+(`generate`, `stream`, `generate_many`, `calibrate`).
 
-One round (MISSION.md):
-  1. the drafter(s) propose up to K tokens, recording q for each;
-  2. the target scores the committed tokens its cache lacks plus the draft in ONE forward
-     pass, giving p_1..p_{K+1} (for several drafters: a token tree with a tree mask);
-  3. verify.py accepts a prefix and samples one recovered or bonus token;
-  4. the output is extended, stops are applied, and both caches are rolled back to the
-     committed length (the invariant: a cache holds a prefix of the committed tokens).
-Plain decoding is the same loop with no drafter: every round is one target step.
+Every request runs on the one round loop, `specdec.batch.BatchEngine` (built by
+`specdec.wiring.engine_for`): `generate` and `stream` step one request alone, as a batch of
+one; `generate_many` and the server step many. One round (MISSION.md):
+  1. the prophet(s) propose up to K tokens per row, recording q for each;
+  2. the target scores each row's pending tokens plus its draft in ONE forward pass, giving
+     p_1..p_{K+1} (with several prophets and multi="tree": a token tree with a tree mask);
+  3. verification accepts a prefix and samples one recovered or bonus token per row;
+  4. the output is extended and finished (`specdec.finish`: EOS, length, stop strings,
+     text); each cache keeps only the committed length (written by position).
+Plain decoding is the same loop with no prophet: every round is one target step. The
+request owns its row (cache slot, generator, policy); nothing of it lives here.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,40 +27,17 @@ import torch
 from specdec.batch import BatchEngine, Request
 from specdec.costmodel import Costs, interleaved_minimums, monotone
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Drafter
 from specdec.errors import ContextLengthError
-from specdec.events import RoundEvent, finish_reason
+from specdec.events import RoundEvent
 from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
-from specdec.lm import CausalLM, sync
-from specdec.policy import Policy, RoundOutcome, best_first, make_policy, observe_recent
-from specdec.sampling import SamplingParams, check_sampling, couple, logits_to_probs
+from specdec.lm import CausalLM
+from specdec.policy import Policy, make_policy
+from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
-from specdec.verify import DraftTree, verify_chain, verify_tree
 
 ONE_LOOP_SLOTS = 64  # rows of a decoder's own batched engine (interleaved streams, threads)
-
-
-@dataclass
-class _Request:
-    """The mutable state of one generation."""
-
-    context: list[int]
-    n_prompt: int
-    max_new_tokens: int
-    params: SamplingParams
-    generator: torch.Generator
-    finish: Finish  # its stop strings and released text (specdec.finish)
-    t0: float
-    finish_reason: str | None = None
-    hidden: torch.Tensor | None = None  # the target's features from this round's pass, for feature prophets
-    recent: dict[str, float] = field(default_factory=dict)  # running tokens/round per prophet (multi="best")
-    prophets: frozenset[str] | None = None  # the loaded prophets that may draft for it (None: all)
-    policy: Policy = field(default_factory=Policy)  # its K policy: the decoder's (reset for it), or its own
-
-    @property
-    def generated(self) -> list[int]:
-        return self.context[self.n_prompt :]
 
 
 def check_prophets(prophets: Sequence[str] | None, loaded: Sequence[str]) -> frozenset[str] | None:
@@ -137,11 +116,6 @@ class SpeculativeDecoder:
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
         self._feature_readers = [d for d in self.drafters if d.reads_features]
-        # A request owns the state it runs on: the first runs on this decoder's own caches;
-        # one that starts while another is still running (an interleaved stream, another
-        # thread) runs on a view of its own (`for_request`: same weights, fresh caches).
-        self._busy = False
-        self._busy_lock = threading.Lock()
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
                              f"'{self._feature_readers[0].name}' drafts from")
@@ -162,59 +136,32 @@ class SpeculativeDecoder:
                  prophets: Sequence[str] | None = None, policy: str | None = None,
                  sampling: str = "rejection") -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
-        ended: list[tuple[str, list[int], list[int], str]] = []
-        events = list(self._run(prompt, messages, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
-                                draft_tokens, stop, prophets, policy, sampling, False, ended))
-        text, token_ids, prompt_ids, reason = ended[0]
-        return Generation(text, token_ids, prompt_ids, reason, events, summarize(events))
-
-    def _claim(self) -> SpeculativeDecoder:
-        """The decoder a new request runs on: this one if no request is running on it, else a
-        view of its own (same weights, fresh caches, the same stored costs)."""
-        with self._busy_lock:
-            if not self._busy:
-                self._busy = True
-                return self
-        return self.for_request()
-
-    def _release(self, runner: SpeculativeDecoder) -> None:
-        if runner is self:
-            with self._busy_lock:
-                self._busy = False
-
-    def for_request(self) -> SpeculativeDecoder:
-        """A decoder over the same weights with state of its own (target cache, prophet
-        state, policy), for a request that runs beside others."""
-        target = self.target.fresh()
-        other = SpeculativeDecoder(target, [d.for_request(target) for d in self.drafters], self.tokenizer,
-                                   copy.deepcopy(self.policy), self.multi, self.eos_token_ids)
-        other._costs = self._costs
-        return other
+        req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
+                                   messages, prophets, policy, sampling)
+        events = list(self._step_alone(self._one_loop(), req, finish, False))
+        return Generation(finish.final_text(req.generated), list(req.generated), list(req.prompt),
+                          req.finish_reason or "length", events, summarize(events))
 
     def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]], max_batch: int = 16,
                       **settings: Any) -> list[Generation]:
         """Generate for many prompts; each may be a dict carrying its own settings
         ({"prompt" or "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-        "draft_tokens", "sampling"}), the rest take `settings`. With no drafter, a model drafter, ngram, a
-        feature prophet, or ngram and a feature prophet with multi "first" on a Llama target,
-        they run as one batch (specdec.batch: rows join and leave, each accepts its own number
-        of tokens); otherwise (other prophets) one after another. Either way
-        each result follows the target's distribution exactly, and greedy results are the
-        tokens `generate` gives for that prompt alone (a sampled row's auto K depends on the
-        batch size, so its seed fixes its output for that batch only)."""
+        "draft_tokens", "stop", "sampling", "prophets", "policy"}), the rest take `settings`. They run as rows of one
+        batch on the one loop (specdec.batch: rows join and leave, each accepts its own number
+        of tokens), each request made as `generate` makes it (`request`). Each result follows
+        the target's distribution exactly; greedy results are the tokens `generate` gives for
+        that prompt alone, and so are seeded sampled ones (their K comes from costs fixed for
+        the request, never from the batch)."""
         items = [dict(p) if isinstance(p, dict) else {"prompt": p} for p in prompts]
         jobs = [{**settings, **item} for item in items]
         for job in jobs:
             unknown = set(job) - {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                  "draft_tokens", "stop", "sampling"}
+                                  "draft_tokens", "stop", "sampling", "prophets", "policy"}
             if unknown:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
         from specdec.wiring import engine_for
 
-        engine = engine_for(self, max_batch)
-        if engine is None:
-            return [self.generate(**job) for job in jobs]
-        return engine.run_jobs(self, jobs)
+        return engine_for(self, max_batch).run_jobs(self, jobs)
 
     def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
                temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
@@ -231,42 +178,26 @@ class SpeculativeDecoder:
         keyed by the seed and the token's position, so a seeded output equals seeded plain
         coupled sampling token for token, whatever the prophets, K or batch; an exact sample
         of the target either way, see specdec.sampling)."""
-        yield from self._run(prompt, messages, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
-                             draft_tokens, stop, prophets, policy, sampling, True, [])
+        req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
+                                   messages, prophets, policy, sampling)
+        yield from self._step_alone(self._one_loop(), req, finish, True)
 
-    def _run(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None,
-             max_new_tokens: int, params: SamplingParams, seed: int | None, draft_tokens: int | None,
-             stop: str | Sequence[str] | None, prophets: Sequence[str] | None, policy: str | None, sampling: str,
-             release_text: bool, ended: list[tuple[str, list[int], list[int], str]]) -> Iterator[RoundEvent]:
-        """One request's rounds, on the one loop where it runs, else on the per-request loop;
-        at its end, (text, generated ids, prompt ids, finish reason) is appended to `ended`."""
-        prompt = self._chat_or_prompt(prompt, messages)
-        engine = self._one_loop()
-        if engine is not None:
-            row, finish = self._row(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy,
-                                    sampling)
-            yield from self._step_alone(engine, row, finish, release_text)
-            ended.append((finish.final_text(row.generated), list(row.generated), list(row.prompt),
-                          row.finish_reason or "length"))
-            return
-        runner = self._claim()
-        try:
-            req = runner._start(prompt, max_new_tokens, params, seed, draft_tokens, stop, prophets, policy, sampling)
-            yield from runner._rounds(req, release_text)
-            ended.append((runner._final_text(req), list(req.generated), req.context[: req.n_prompt],
-                          req.finish_reason or "length"))
-        finally:  # also when the caller closes or drops the stream early
-            self._release(runner)
-
-    def _rounds(self, req: _Request, release_text: bool) -> Iterator[RoundEvent]:
-        index = 0
-        while req.finish_reason is None:
-            event = self._round(req, index)
-            if release_text:
-                event.text = self._release_text(req)
-            event.finish_reason = req.finish_reason
-            index += 1
-            yield event
+    def request(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+                temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
+                seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+                messages: Sequence[dict[str, str]] | None = None, prophets: Sequence[str] | None = None,
+                policy: str | None = None, sampling: str = "rejection") -> tuple[Request, Finish]:
+        """A request for the one loop (the arguments of `generate`), checked, with a K policy
+        of its own (the decoder's, copied, or one of the kind named), and its finishing (stop
+        strings, text): what `generate`, `stream` and `generate_many` run."""
+        ids, allowed, pol, stops = self._checked(self._chat_or_prompt(prompt, messages), max_new_tokens,
+                                                 draft_tokens, stop, prophets, policy, sampling)
+        if pol is self.policy:
+            pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
+        k = (draft_tokens or self.policy.k0) if self.drafters else 0
+        req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
+                      allowed, sampling)
+        return req, Finish(self.tokenizer, stops)
 
     # ----------------------------------------------------------------- a request
     def _checked(self, prompt: str | Sequence[int], max_new_tokens: int, draft_tokens: int | None,
@@ -291,55 +222,22 @@ class SpeculativeDecoder:
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         return ids, allowed, policy, check_stops(stop, self.tokenizer)
 
-    def _start(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
-               draft_tokens: int | None, stop: str | Sequence[str] | None,
-               prophets: Sequence[str] | None = None, policy_name: str | None = None,
-               sampling: str = "rejection") -> _Request:
-        ids, allowed, policy, stops = self._checked(prompt, max_new_tokens, draft_tokens, stop, prophets, policy_name,
-                                                    sampling)
-        gen = torch.Generator(device=self.target.device)  # the verifier's random numbers live with the logits
-        seed_used = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
-        gen.manual_seed(seed_used)
-        if sampling == "coupled":
-            params = replace(params, coupled=seed_used)
-        for d in self.drafters:
-            d.reset()
-        self.target.truncate(0)
-        return _Request(ids, len(ids), max_new_tokens, params, gen, Finish(self.tokenizer, stops),
-                        time.perf_counter(), prophets=allowed,
-                        policy=policy)
-
     # ----------------------------------------------------------------- the one loop
-    def _one_loop(self) -> BatchEngine | None:
-        """The batched engine this decoder's requests step on, each a batch of one, or None
-        where its target or prophets have no batched path yet (`wiring.engine_for`: a
-        transformers model, trees):
-        those run on the per-request loop below. The engine is the decoder's own
+    def _one_loop(self) -> BatchEngine:
+        """The batched engine this decoder's requests step on, each a batch of one
+        (`wiring.engine_for`). The engine is the decoder's own
         (`ONE_LOOP_SLOTS` rows, memory per row as it grows): interleaved streams and threads
         take rows of it."""
         from specdec.wiring import engine_for
 
-        engine: BatchEngine | None = engine_for(self, ONE_LOOP_SLOTS)
-        if engine is not None:
-            engine.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
-            # Each request steps alone here: its prompt goes in whole with its first round (in
-            # the target's aligned attention blocks, as everywhere), nothing waits behind it.
-            engine.prefill_chunk = engine.target.max_length
-            if self._costs is not None:
-                engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
+        engine: BatchEngine = engine_for(self, ONE_LOOP_SLOTS)
+        engine.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
+        # Each request steps alone here: its prompt goes in whole with its first round (in
+        # the target's aligned attention blocks, as everywhere), nothing waits behind it.
+        engine.prefill_chunk = engine.target.max_length
+        if self._costs is not None:
+            engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
         return engine
-
-    def _row(self, prompt: str | Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
-             draft_tokens: int | None, stop: str | Sequence[str] | None, prophets: Sequence[str] | None,
-             policy_name: str | None, sampling: str) -> tuple[Request, Finish]:
-        """A request for the one loop, checked as `_start` checks it, with a policy of its own."""
-        ids, allowed, policy, stops = self._checked(prompt, max_new_tokens, draft_tokens, stop, prophets, policy_name,
-                                                    sampling)
-        if policy is self.policy:
-            policy = copy.deepcopy(policy)  # the request's own: interleaved requests never share one
-        k = (draft_tokens or self.policy.k0) if self.drafters else 0
-        req = Request(ids, max_new_tokens, params, k, seed, policy if k else None, allowed, sampling)
-        return req, Finish(self.tokenizer, stops)
 
     @staticmethod
     def _step_alone(engine: BatchEngine, req: Request, finish: Finish, release_text: bool) -> Iterator[RoundEvent]:
@@ -503,139 +401,3 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         return ids
 
-    # ----------------------------------------------------------------- one round
-    def _draft_budget(self, req: _Request, prophet: str | None = None) -> int:
-        """K for this round (of `prophet`): the policy's, cut so a round can never overshoot
-        max_new_tokens (a round yields up to K+1 tokens) or the target's context."""
-        remaining = req.max_new_tokens - len(req.generated)
-        room = self.target.max_length - len(req.context)
-        return max(0, min(req.policy.next_k(prophet), remaining - 1, room))
-
-    def _round(self, req: _Request, index: int) -> RoundEvent:
-        """draft -> score and verify -> commit -> record."""
-        start = time.perf_counter()
-        k, drafts, prophet = self._propose(req)
-        if len(drafts) <= 1:
-            event = self._verify_chain(req, drafts[0] if drafts else None, k, start, index)
-        else:
-            event = self._verify_tree(req, drafts, k, start, index)
-        self._commit(req, event)
-        event.end = time.perf_counter() - req.t0
-        req.policy.observe(RoundOutcome(len(event.drafted), event.accepted, event.draft_s, event.target_s,
-                                         event.draft_calls, prophet))
-        if event.drafter is not None and any(d.name == event.drafter for d in self.drafters):
-            observe_recent(req.recent, event.drafter, event.accepted)
-        return event
-
-    def _propose(self, req: _Request) -> tuple[int, list[Draft], str | None]:
-        """This round's K, its non-empty drafts and the prophet the policy keeps evidence
-        for: every prophet's drafts ("*", a tree), the best recent one's, or the first
-        prophet's that proposes something."""
-        drafters = [d for d in self.drafters if req.prophets is None or d.name in req.prophets]
-        if not drafters:
-            return 0, [], None
-        if self.multi == "tree" or len(drafters) == 1:
-            prophet = drafters[0].name if len(drafters) == 1 else "*"
-            k = self._draft_budget(req, prophet)
-            if k == 0:
-                return 0, [], None
-            drafts = [d.propose(req.context, k, req.params, req.generator, req.policy.keep_drafting())
-                      for d in drafters]
-            return k, [d for d in drafts if len(d)], prophet
-        order = drafters
-        if self.multi == "best":
-            by_name = {d.name: d for d in drafters}
-            order = [by_name[n] for n in best_first(list(by_name), req.recent)]
-        for d in order:
-            k = self._draft_budget(req, d.name)
-            if k == 0:
-                continue
-            draft = d.propose(req.context, k, req.params, req.generator, req.policy.keep_drafting())
-            if len(draft):
-                return k, [draft], d.name
-        return 0, [], None
-
-    def _score(self, req: _Request, drafted: list[int]) -> torch.Tensor:
-        """p_1..p_{K+1}: (K+1, V), from one target forward pass."""
-        feed = sync(self.target, req.context)
-        if self._feature_readers:  # the same pass also yields the features those prophets draft from
-            logits, req.hidden = self.target.forward_features(feed + drafted, len(drafted) + 1)
-        else:
-            logits = self.target.forward(feed + drafted, len(drafted) + 1)
-        probs = logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
-        return couple(probs, req.params, len(req.context))  # coupled: each row one-hot on its keyed draw
-
-    def _verify_chain(self, req: _Request, draft: Draft | None, k: int, start: float, index: int) -> RoundEvent:
-        tokens = draft.tokens if draft else []
-        t0 = time.perf_counter()
-        target_probs = self._score(req, tokens)
-        t1 = time.perf_counter()
-        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=target_probs.device)
-        verdict = verify_chain(draft_tokens, draft.probs if draft else None, target_probs, req.generator)
-        name = draft.drafter if draft else None
-        return RoundEvent(
-            index=index, drafter=name, k=k, drafted=list(tokens), accepted=verdict.n_accepted,
-            next_token=verdict.next_token, next_kind=verdict.next_kind, committed=[],
-            draft_calls=draft.forward_calls if draft else 0, target_calls=1, start=start - req.t0, end=0.0,
-            draft_spans=[(a - req.t0, b - req.t0) for a, b in (draft.step_spans if draft else [])],
-            target_span=(t0 - req.t0, t1 - req.t0), accepted_by=[name] * verdict.n_accepted if name else [],
-            proposals={name: len(tokens)} if name else {})
-
-    def _verify_tree(self, req: _Request, drafts: list[Draft], k: int, start: float, index: int) -> RoundEvent:
-        tree = DraftTree()
-        for d in drafts:
-            tree.add_chain(d.tokens, d.probs, d.drafter)
-        t0 = time.perf_counter()
-        feed = sync(self.target, req.context)
-        logits = self.target.forward_tree(feed, tree.tokens, tree.parents)
-        target_probs = logits_to_probs(logits, req.params, who=f"target '{self.target.name}'")
-        depth: list[int] = []
-        for parent in tree.parents:  # a parent comes before its children
-            depth.append(0 if parent < 0 else depth[parent] + 1)
-        at = len(req.context)  # the root's position; a node's children are one past its own
-        target_probs = couple(target_probs, req.params, at, [at] + [at + d + 1 for d in depth])
-        t1 = time.perf_counter()
-        verdict = verify_tree(tree, target_probs, req.generator)
-        self.target.keep_tree_path(len(feed), verdict.path, tree.tokens)
-        spans = [(a - req.t0, b - req.t0) for d in drafts for a, b in d.step_spans]
-        return RoundEvent(
-            index=index, drafter="+".join(d.drafter for d in drafts), k=k,
-            drafted=[tree.tokens[n] for n in verdict.path],
-            accepted=len(verdict.path), next_token=verdict.next_token, next_kind=verdict.next_kind, committed=[],
-            draft_calls=sum(d.forward_calls for d in drafts), target_calls=1, start=start - req.t0, end=0.0,
-            draft_spans=spans, target_span=(t0 - req.t0, t1 - req.t0), tree_size=len(tree.tokens),
-            accepted_by=verdict.accepted_by, proposals={d.drafter: len(d) for d in drafts})
-
-    # ----------------------------------------------------------------- commit and stops
-    def _commit(self, req: _Request, event: RoundEvent) -> None:
-        """Append the round's tokens one by one, stopping at EOS, max_new_tokens or the
-        context limit; then stop strings; then roll both caches back."""
-        accepted = event.drafted[: event.accepted]
-        before = len(req.context)
-        for token in [*accepted, event.next_token]:
-            req.context.append(token)
-            req.finish_reason = finish_reason(token, len(req.generated), len(req.context), self.eos_token_ids,
-                                              req.max_new_tokens, self.target.max_length)
-            if req.finish_reason:
-                break
-        keep = req.finish.cut(req.generated, before - req.n_prompt)
-        if keep is not None:
-            del req.context[req.n_prompt + keep :]
-            req.finish_reason = "stop"
-        event.committed = req.context[before:]
-        sync(self.target, req.context)
-        for d in self.drafters:
-            d.committed(req.context)
-        if req.hidden is not None and len(event.committed) == event.accepted + 1:
-            # The next token was sampled from the target's head at the position of the last
-            # accepted token: its feature, with that token, is where feature prophets start.
-            for d in self._feature_readers:
-                d.see_feature(len(req.context) - 2, req.hidden[event.accepted])
-        req.hidden = None
-
-    def _final_text(self, req: _Request) -> str:
-        return req.finish.final_text(req.generated)
-
-    def _release_text(self, req: _Request) -> str:
-        """Text a stream may show now (specdec.finish)."""
-        return req.finish.release(req.generated, req.finish_reason is not None)

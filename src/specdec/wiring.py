@@ -376,17 +376,20 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 
 
 def engine_for(decoder: Any, slots: int) -> Any:
-    """A BatchEngine over a SpeculativeDecoder's own weights (cached on it), or None when its
-    target or prophets have no batched path (several prophets in a tree)."""
+    """The BatchEngine of `slots` rows over a SpeculativeDecoder's own weights and prophets
+    (cached on it): the one round loop its requests run on, alone or many at once."""
     from specdec.batch import (
         BatchDrafter,
         BatchEngine,
         BatchLlama,
+        BatchLM,
         EarlyExitBatchDrafter,
         FeatureBatchDrafter,
         FirstBatchDrafter,
         LookupBatchDrafter,
         ModelBatchDrafter,
+        RowsDrafter,
+        TreeBatchDrafter,
     )
     from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.layerskip import LayerSkipDrafter
@@ -394,14 +397,16 @@ def engine_for(decoder: Any, slots: int) -> Any:
     from specdec.drafters.ngram import NgramDrafter
     from specdec.drafters.retrieval import RetrievalDrafter
     from specdec.fastllama import FastLlamaLM, supports
+    from specdec.rows import RowsLM
 
     cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
     if slots in cache:
         return cache[slots]
-    target_model = decoder.target.model if isinstance(decoder.target, FastLlamaLM) else None
-    if target_model is None or not supports(target_model):
-        return None
-    target = BatchLlama(target_model, decoder.target.name, slots, decoder.target.vocab_size)
+    lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
+    # a plain Llama on the lean path scores its rows in one batched pass; any other model
+    # (transformers, a toy) row by row through views of its own (specdec.rows)
+    target: BatchLM = BatchLlama(decoder.target.model, decoder.target.name, slots, decoder.target.vocab_size) \
+        if lean else RowsLM(decoder.target, slots)
     parts: list[BatchDrafter] = []
     for d in decoder.drafters:
         if isinstance(d, NgramDrafter | RetrievalDrafter):
@@ -413,12 +418,14 @@ def engine_for(decoder: Any, slots: int) -> Any:
         elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
             parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
                                                       int8=d.lm.int8, act_dtype=d.lm.act_dtype)))
-        else:
-            return None
+        elif isinstance(d, ModelDrafter):  # any other draft model: row by row
+            parts.append(ModelBatchDrafter(RowsLM(d.lm, slots), d.name))
+        else:  # a prophet registered without a batched path: row by row, a view of it per slot
+            parts.append(RowsDrafter(d, decoder.target, slots))
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
-    if len(parts) > 1:
-        if decoder.multi not in ("first", "best"):
-            return None  # a tree
+    if len(parts) > 1 and decoder.multi == "tree":  # no feature prophet among them (the decoder refuses it)
+        drafter = TreeBatchDrafter(parts)  # type: ignore[arg-type]
+    elif len(parts) > 1:
         drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
     engine = BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
     if drafter is not None and decoder.policy.needs_costs:

@@ -50,13 +50,12 @@ class ServerConfig:
     """What the operator allows. Per-request settings must stay within these."""
 
     api_key: str | None = None
-    max_batch: int = 8  # requests generated at once: rows of one batched step, or interleaved round by round
+    max_batch: int = 8  # requests generated at once: rows of one batched step
     max_queue: int = 256  # requests waiting; beyond it, 429
     timeout_s: float | None = 600.0  # per-request deadline, from arrival
     max_body_bytes: int = 2_000_000
     max_tokens: int = 4096  # largest max_tokens a request may ask for
     max_draft_tokens: int = 16  # largest specdec.draft_tokens a request may ask for
-    batched: bool = True  # continuous batching where the prophet has a batched path (else round-robin)
     warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens prefilled per batched step: the longest stall of a stream
     kv_memory: int | None = None  # bytes of batched KV cache requests may reserve (None: half of MemAvailable)
@@ -65,7 +64,7 @@ class ServerConfig:
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics()
-    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.batched, config.prefill_chunk,
+    scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.prefill_chunk,
                           config.kv_memory)
     tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once
 

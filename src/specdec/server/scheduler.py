@@ -4,23 +4,17 @@
     async for item in stream: ...       # Round per engine round, then one End
     stream.cancel("disconnect")         # queued: dropped now; running: stopped before its next round
 
-Requests join and leave between rounds (continuous batching). Two ways to run them:
-
-- batched (`specdec.wiring.engine_for` gives an engine: a Llama target with no prophet, any
-  one prophet, or several with `--multi first` or `best`): up to
-  `max_batch` requests are rows of ONE `engine.step(rows)` per iteration, one drafting pass
-  and one target forward for all of them, each row accepting its own number of tokens. Each
-  row owns its generator and cache slot, so its tokens are those it would get alone (greedy:
-  exactly). Text release and stop strings are `specdec.finish`'s, as for `generate`. Each
-  row has its own policy (`specdec.policy`, else the decoder's kind; auto by default: K per
-  row from its acceptance and the step costs measured at startup for that batch size, up to
-  `specdec.draft_tokens`, else the policy's K0) and may keep to some of the prophets
-  (`specdec.draft`).
-- round-robin (a transformers target, a tree): up to
-  `max_batch` run interleaved, round by round, each in a slot with its own decoder over the
-  same weights (its own KV caches).
-
-Admission, cancellation, deadlines and feeding streams are shared by both.
+Requests join and leave between rounds (continuous batching) on the one round loop
+(`specdec.wiring.engine_for`, the engine `generate` steps a request alone on): up to
+`max_batch` requests are rows of ONE `engine.step(rows)` per iteration, one drafting pass
+and one target forward for all of them (a lean Llama target; any other model scores its
+rows in turn, `specdec.rows`), each row accepting its own number of tokens, with any
+prophet or several (first, best, a token tree per row). Each row owns its generator and
+cache slot, so its tokens are those it would get alone (greedy: exactly). Text release and
+stop strings are `specdec.finish`'s, as for `generate`. Each row has its own policy
+(`specdec.policy`, else the decoder's kind; auto by default: K per row from its acceptance
+and the step costs measured at startup for that batch size, up to `specdec.draft_tokens`,
+else the policy's K0) and may keep to some of the prophets (`specdec.draft`).
 
 The thread never blocks on a client: it posts each item with `loop.call_soon_threadsafe`
 into the request's asyncio queue, and a client that stops reading costs it nothing.
@@ -34,7 +28,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, Request, StepEvent
@@ -131,27 +124,6 @@ class JobStream:
             pass
 
 
-@dataclass
-class _Slot:
-    spec: SpeculativeDecoder
-    plain: SpeculativeDecoder | None = None
-
-    def decoder(self, plain: bool) -> SpeculativeDecoder:
-        if not plain:
-            return self.spec
-        if self.plain is None:
-            self.plain = self.spec.plain()
-        return self.plain
-
-
-@dataclass
-class _Running:
-    stream: JobStream
-    slot: _Slot
-    rounds: Iterator[RoundEvent]
-    tokens: int = 0
-
-
 @dataclass(eq=False)
 class _Row:
     """A request running on the batched engine, with what its stream has been sent."""
@@ -180,16 +152,9 @@ def default_kv_memory() -> int:
         return 4 << 30
 
 
-def clone_decoder(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:
-    """A decoder over the same weights with caches of its own (every prophet knows how to
-    make its own state for another request: `for_request`)."""
-    return decoder.for_request()
-
-
 class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, metrics: ServerMetrics, max_batch: int = 8,
-                 max_queue: int = 256, batched: bool = True, prefill_chunk: int | None = None,
-                 kv_memory: int | None = None) -> None:
+                 max_queue: int = 256, prefill_chunk: int | None = None, kv_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -197,18 +162,15 @@ class Scheduler:
         self.decoder, self.metrics = decoder, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         self.default_k = decoder.policy.k0
-        # The batched engine where the prophet has a batched path; else round-robin.
-        self.engine: BatchEngine | None = engine_for(decoder, max_batch) if batched else None
-        if self.engine is not None and prefill_chunk is not None:
+        # The one loop's engine: every request is a row of its steps
+        self.engine: BatchEngine = engine_for(decoder, max_batch)
+        if prefill_chunk is not None:
             self.engine.set_prefill_chunk(prefill_chunk)
         # The batched cache's memory budget: rows join while their reserved caches fit it
         self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
         self._kv_reserved = 0
-        self.mode = "batched" if self.engine is not None else "round-robin"
-        self._slots: list[_Slot] = []
-        self._free: list[_Slot] = []
+        self.mode = "batched"  # /v1/models says so: continuous batching, one round loop
         self._pending: deque[JobStream] = deque()
-        self._running: list[_Running] = []
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -218,7 +180,8 @@ class Scheduler:
         """Before serving: measure the batched step's costs at every batch-size bucket when
         the policy chooses K from measured costs, so that the first requests of each size
         do not wait for it. Returns the seconds it took (0 when there is nothing to do)."""
-        if self.engine is None or not getattr(self.decoder.policy, "needs_costs", False) or self.default_k < 1:
+        if self.engine.drafter is None or not getattr(self.decoder.policy, "needs_costs", False) \
+                or self.default_k < 1:
             return 0.0
         t0 = time.perf_counter()
         with self._cond:  # nothing runs yet, but the engine is the scheduler thread's
@@ -230,14 +193,13 @@ class Scheduler:
     def kv_need(self, job: Job) -> int:
         """Bytes of KV cache a job may come to hold on the batched engine: every position it
         can reach (prompt, answer and a round's draft), as the slot's buffer grows by doubling,
-        in the target and a draft model. 0 off the batched engine."""
-        if self.engine is None:
-            return 0
+        in the target and a draft model (models scored row by row, `specdec.rows`, count 0)."""
         k = 0 if job.plain else job.draft_tokens or self.default_k
         positions = len(job.ids) + job.max_tokens + k + 1
-        models = [self.engine.target]
-        if isinstance(self.engine.drafter, ModelBatchDrafter):
-            models.append(self.engine.drafter.lm)
+        drafter = self.engine.drafter
+        parts = getattr(drafter, "parts", [drafter])  # several prophets: each draft model's cache too
+        models = [self.engine.target, *(p.lm for p in parts if isinstance(p, ModelBatchDrafter)
+                                        and p.lm is not self.engine.target)]
         return sum(lm.position_bytes() * lm.capacity_for(positions) for lm in models if isinstance(lm, BatchLlama))
 
     def check_fits(self, job: Job) -> None:
@@ -286,7 +248,7 @@ class Scheduler:
             return len(self._pending), self._n_running()
 
     def _n_running(self) -> int:
-        return len(self._running) + len(self._rows)
+        return len(self._rows)
 
     def shut_down(self) -> None:
         """Stop taking requests, and end every one there is: running ones after the step now
@@ -316,22 +278,12 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self._running or self._rows):
+                    while not (self._stopping or self._pending or self._rows):
                         self._cond.wait(timeout=1.0)
                     if self._stopping:
                         break
-                    if self.engine is not None:
-                        self._admit_rows()
-                        admitted = []
-                    else:
-                        admitted = self._admit()
-                if self.engine is not None:
-                    self._step(self.engine)
-                    continue
-                for run in admitted:
-                    self._begin(run)
-                for run in list(self._running):
-                    self._run_round(run)
+                    self._admit_rows()
+                self._step(self.engine)
         except BaseException:  # a bug here must not leave clients waiting forever
             log.exception("the scheduler failed")
             raise
@@ -345,71 +297,7 @@ class Scheduler:
                 self._pending.remove(stream)
                 self._end(stream, End("deadline", "the request timed out in the queue", 503))
 
-    def _admit(self) -> list[_Running]:
-        """Move queued jobs into free slots (with the lock held); drop expired ones."""
-        self._expire_queued()
-        admitted: list[_Running] = []
-        while self._pending and len(self._running) < self.max_batch:
-            slot = self._take_slot()
-            if slot is None:
-                break
-            stream = self._pending.popleft()
-            run = _Running(stream, slot, iter(()))
-            self._running.append(run)
-            admitted.append(run)
-        self.metrics.queue_depth.set(len(self._pending))
-        self.metrics.batch_size.set(len(self._running))
-        return admitted
-
-    def _take_slot(self) -> _Slot | None:
-        if self._free:
-            return self._free.pop()
-        if not self._slots:
-            slot = _Slot(self.decoder)
-        elif len(self._slots) < self.max_batch and (clone := clone_decoder(self.decoder)) is not None:
-            slot = _Slot(clone)
-        else:
-            return None
-        self._slots.append(slot)
-        return slot
-
-    def _begin(self, run: _Running) -> None:
-        job, stream = run.stream.job, run.stream
-        stream.started = time.monotonic()
-        self.metrics.queue_wait.observe(stream.started - stream.arrived)
-        decoder = run.slot.decoder(job.plain)
-        k = None if job.plain else (job.draft_tokens or self.default_k)
-        run.rounds = decoder.stream(job.ids, max_new_tokens=job.max_tokens, temperature=job.temperature,
-                                    top_k=job.top_k, top_p=job.top_p, seed=job.seed, draft_tokens=k,
-                                    stop=job.stop or None, prophets=None if job.plain else job.prophets,
-                                    policy=None if job.plain else job.policy, sampling=job.sampling)
-
-    def _run_round(self, run: _Running) -> None:
-        stream, now = run.stream, time.monotonic()
-        if stream.cancelled:
-            return self._finish(run, End("cancelled", stream.cancelled))
-        if stream.deadline is not None and now > stream.deadline:
-            return self._finish(run, End("deadline", "the request's deadline passed"))
-        try:
-            event = next(run.rounds)
-        except StopIteration:
-            return self._finish(run, End("done"))
-        except (SpecdecError, ValueError) as e:
-            return self._finish(run, End("error", str(e), 400))
-        except Exception as e:
-            log.exception("request %s failed", stream.job.id)
-            return self._finish(run, End("error", f"generation failed: {type(e).__name__}: {e}", 500))
-        self.metrics.round(event)
-        run.tokens += len(event.committed)
-        if stream.first_token is None and event.committed:
-            stream.first_token = time.monotonic()
-            self.metrics.ttft.observe(stream.first_token - stream.arrived)
-        self.metrics.step_rows.observe(1)
-        stream.post(self._round_item(stream.job, event))
-        if event.finish_reason is not None:
-            self._finish(run, End("done"))
-
-    # ----------------------------------------------------------------- the batched path
+    # ----------------------------------------------------------------- the rows
     def _admit_rows(self) -> None:
         """Queued jobs become rows while there is room (with the lock held); they take an
         engine cache slot at their first step."""
@@ -420,7 +308,7 @@ class Scheduler:
                 break  # it waits (first come, first served) until running rows free enough memory
             stream = self._pending.popleft()
             job = stream.job
-            k = 0 if job.plain or self.engine is None or self.engine.drafter is None else \
+            k = 0 if job.plain or self.engine.drafter is None else \
                 (job.draft_tokens or self.decoder.policy.k0)
             try:
                 req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
@@ -497,14 +385,6 @@ class Scheduler:
             return Round(event, [], "")
         return Round(event, [tok.decode([t]) for t in event.drafted], tok.decode([event.next_token]))
 
-    def _finish(self, run: _Running, end: End) -> None:
-        getattr(run.rounds, "close", lambda: None)()
-        with self._cond:
-            self._running.remove(run)
-            self._free.append(run.slot)
-            self.metrics.batch_size.set(len(self._running))
-        self._end(run.stream, end)
-
     def _end(self, stream: JobStream, end: End) -> None:
         outcome = "disconnected" if stream.cancelled == "disconnect" else end.reason
         self.metrics.requests.labels(stream.job.endpoint, outcome).inc()
@@ -514,8 +394,7 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         with self._cond:
-            left = [r.stream for r in self._running] + [r.stream for r in self._rows] + list(self._pending)
-            self._running.clear()
+            left = [r.stream for r in self._rows] + list(self._pending)
             self._rows.clear()
             self._pending.clear()
         for stream in left:

@@ -1,0 +1,119 @@
+"""Any one-sequence model as rows of the one loop.
+
+`RowsLM` wraps a `specdec.lm.CausalLM` (a transformers model through `HFCausalLM`, the lean
+`FastLlamaLM`, the toy `MarkovLM`) as a `specdec.batch.BatchLM`: each cache slot gets its own
+view of the same weights (`fresh()`: a cache of its own), and a step's rows run through
+their views one after another. So a target or draft model without a batched forward (any
+transformers architecture) runs on the same round loop as the lean batched Llama: the same
+drafting, verification, policies, finishing and events; only the speed-up of scoring many
+rows in one product is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.lm import CausalLM
+
+
+class RowsLM:
+    """A `BatchLM` over a one-sequence model: a view per slot, rows scored in turn."""
+
+    def __init__(self, lm: CausalLM, slots: int) -> None:
+        self.lm, self.slots = lm, slots
+        self.name, self.vocab_size, self.max_length = lm.name, lm.vocab_size, lm.max_length
+        self.views: list[CausalLM | None] = [None] * slots  # per slot, made when the slot is first used
+        self._trees: dict[int, list[int]] = {}  # per slot: the tree tokens of its last tree pass
+        self.forward_calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    @property
+    def n_layers(self) -> int:
+        return self.lm.n_layers
+
+    def free(self, slot: int) -> None:
+        self.views[slot] = None
+        self._trees.pop(slot, None)
+
+    def _view(self, slot: int, start: int) -> CausalLM:
+        """The slot's view, holding exactly its first `start` entries: entries past them (a
+        rejected draft, the provisional entries of an early exit) are dropped. A start past
+        the view's tokens continues an early exit, whose entries the view keeps itself."""
+        view = self.views[slot]
+        if view is None:
+            view = self.views[slot] = self.lm.fresh()
+        if start <= len(view.tokens):
+            view.truncate(start)
+            view.end_early_exit(start)
+        return view
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """See `specdec.batch.BatchLM.forward`."""
+        return self._rows(slots, starts, new_ids, n_logits, None, True, trees, features=False)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `specdec.batch.BatchLlama.forward_features`: logits and the features the head
+        read; layers: the first ones only (an early exit, one logit row per row)."""
+        return self._rows(slots, starts, new_ids, n_logits, layers, head, trees, features=True)
+
+    def _rows(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+              n_logits: Sequence[int], layers: int | None, head: bool, trees: Sequence[Sequence[int] | None] | None,
+              features: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m = max(n_logits)
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        for b, (slot, start, ids, n) in enumerate(zip(slots, starts, new_ids, n_logits, strict=True)):
+            if start + len(ids) > self.max_length:
+                raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
+            view = self._view(int(slot), start)
+            parents = trees[b] if trees is not None else None
+            h = None
+            if parents:  # a chain then a token tree: logits after the chain's last token and each node
+                chain = len(ids) - len(parents)
+                tree_tokens = list(ids[chain:])
+                out = view.forward_tree(list(ids[:chain]), tree_tokens, list(parents))
+                self._trees[int(slot)] = tree_tokens
+            elif layers is not None:  # an early exit (its last token): the view keeps its provisional entries
+                if head:
+                    out = view.early_exit(list(ids), layers)[None]
+                else:
+                    h = view.early_exit_features(list(ids), layers, 1)
+                    out = h.new_zeros(1, 0)
+            elif features:
+                out, h = view.forward_features(list(ids), max(n, 1))
+            else:
+                out = view.forward(list(ids), max(n, 1))
+            logits.append(out[:n] if n else out[:0])
+            if h is not None:
+                hidden.append(h[:n] if n else h[:0])
+        self.forward_calls += 1
+        width = self.vocab_size if head else 0
+        out_logits = torch.zeros(len(slots), m, width, device=self.device)
+        for b, row in enumerate(logits):
+            out_logits[b, : row.shape[0]] = row.float()
+        if not hidden:
+            return out_logits, out_logits[:, :, :0]
+        dim = hidden[0].shape[-1]
+        out_hidden = torch.zeros(len(slots), m, dim, device=self.device)
+        for b, row in enumerate(hidden):
+            out_hidden[b, : row.shape[0]] = row.float()
+        return out_logits, out_hidden
+
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass: the view keeps the accepted path's entries after its chain."""
+        view, tree_tokens = self.views[slot], self._trees.pop(slot, None)
+        if view is not None and tree_tokens is not None:
+            view.keep_tree_path(0, list(path), tree_tokens)
+
+
+__all__ = ["RowsLM"]

@@ -702,3 +702,32 @@ def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_for_a_request_alo
     batched, _ = alone_and_together(decoder, REPEATING_PROMPTS, max_new_tokens=30, temperature=temperature,
                                     seed=4)
     assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
+
+
+@pytest.mark.parametrize("recent", [0.2, 0.95])
+def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, recent):
+    """Every row's recent acceptance of a prophet (pooled over rows) against the step costs at
+    this batch size: where no K pays, greedy and unseeded rows do not ask it at all (its
+    drafting would be paid for, then cut); a seeded sampled row keeps its own policy's K, and
+    a prophet that pays drafts as before."""
+    from specdec.policy import make_policy
+
+    engine = batch_engine(tiny_pair["target"], f"ngram+{tiny_pair['close']}", slots=4,
+                          draft_dtype=torch.float32, multi="first")  # lookup first: drafts are cut after
+    model = engine.drafter.parts[1]
+    asked: list[list[int]] = []
+    propose = model.propose
+    model.propose = lambda reqs, ks: (asked.append(list(ks)), propose(reqs, ks))[1]
+    engine.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.3))
+    engine.row_costs = Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01)
+    engine._pooled[model.name] = [100.0, 100.0 * recent]
+    rows = [Request([5, 6, 7, 8 + i], 12, SamplingParams(t), 3, seed, make_policy("fixed", 3))
+            for i, (t, seed) in enumerate(((0.0, None), (1.0, None), (1.0, 7)))]
+    for r in rows:
+        r.policy.needs_costs = True  # read costs as auto does, with a fixed K
+    events = {id(e.request): e for e in engine.step(rows)}
+    drafted = [len(events[id(r)].drafted) for r in rows]
+    if recent < 0.5:  # never asked for the batch-free rows
+        assert [ks[:2] for ks in asked] == [[0, 0]] and drafted[0] == drafted[1] == 0 and drafted[2] > 0
+    else:
+        assert asked[0][:2] == [3, 3] and all(d > 0 for d in drafted)

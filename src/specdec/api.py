@@ -100,14 +100,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
 def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str | None = None,
                  draft_dtype: torch.dtype | None = None, multi: str = "auto") -> Any:
     """A BatchEngine with `slots` cache slots over what `load` builds. target: a path, hub id
-    or "smollm2"; draft: None (plain) or a `--draft` spec with a batched path: "ngram", a
-    model with the target's tokenizer, a feature prophet, or several of the cheap ones with
-    multi "first"."""
+    or "smollm2"; draft: None (plain) or any `--draft` spec (with several prophets, `multi`
+    says how they combine)."""
     from specdec.wiring import engine_for
 
     decoder = load(target, draft=draft or "none", policy="fixed", multi=multi, dtype=dtype, draft_dtype=draft_dtype)
     engine = engine_for(decoder, slots)
-    if engine is None:
-        raise ValueError(f"'{draft}' has no batched path (layerskip, kangaroo, retrieval, int8 copies and "
-                         "several prophets other than --multi first run one request at a time)")
     return engine

@@ -769,6 +769,8 @@ class TreeBatchDrafter:
 
 BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter | TreeBatchDrafter
 TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
+POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
+POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
 
 
 def _batch_free(req: Request) -> bool:
@@ -855,6 +857,12 @@ class BatchEngine:
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
         self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
+        # Per prophet, the per-position acceptance of recent rounds of every row, decayed
+        # (tested, accepted): what a step's common K and its choice to draft at all read for
+        # rows whose K may follow the batch (`_batch_free`), so that a batch of fresh requests
+        # (each policy still near its prior) stops paying for drafts that do not pay.
+        self._pooled: dict[str, list[float]] = {}
+        self._skip_steps = 0
         # The costs a sampled row's policy decides from, the same for every request whatever
         # shares its steps (wiring.engine_for sets the decoder's stored costs; else one row's, measured)
         self.row_costs: Costs | None = None
@@ -986,12 +994,17 @@ class BatchEngine:
         if isinstance(self.drafter, TreeBatchDrafter):  # a tree per row, K from the row's policy
             ks = [self._draft_budget(r, TREE) for r in active]
             return self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
+        skip = self._not_paying(active, costs) if costs is not None else set()
+
+        def budget(r: Request, name: str | None = None) -> int:
+            return 0 if name in skip and _batch_free(r) else self._draft_budget(r, name)
+
         if isinstance(self.drafter, FirstBatchDrafter):
             ks = [self._draft_budget(r) for r in active]
-            draft = self.drafter.propose(active, ks, budget=self._draft_budget) if any(ks) else \
+            draft = self.drafter.propose(active, ks, budget=budget) if any(ks) else \
                 BatchDraft([[] for _ in active], None)
         else:
-            ks = [self._draft_budget(r, self.drafter.name) for r in active]
+            ks = [budget(r, self.drafter.name) for r in active]
             if costs is not None and isinstance(self.drafter, ModelBatchDrafter):  # early exit too
                 ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
@@ -1134,7 +1147,8 @@ class BatchEngine:
             return list(lens)
         default = self.drafter.name if self.drafter is not None else None
         row_names = [n or default for n in names] if names else [default] * len(active)
-        rates = [a if r.policy is not None and (a := r.policy.acceptance(n)) is not None else 0.999
+        rates = [p if (p := self._pooled_rate(n)) is not None else
+                 a if r.policy is not None and (a := r.policy.acceptance(n)) is not None else 0.999
                  for r, n in zip(active, row_names, strict=True)]
         # The step drafts as long as its costliest prophet in use (a lookup costs nothing).
         used = {n for n, k in zip(row_names, lens, strict=True) if k and n}
@@ -1147,6 +1161,31 @@ class BatchEngine:
 
         best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
         return [min(n, best) for n in lens]
+
+    def _pooled_rate(self, prophet: str | None) -> float | None:
+        """The recent per-position acceptance of a prophet over every row, once there is
+        enough of it (POOL_MIN tested positions), else None."""
+        pooled = self._pooled.get(prophet or "")
+        return pooled[1] / pooled[0] if pooled is not None and pooled[0] >= POOL_MIN else None
+
+    def _not_paying(self, active: Sequence[Request], costs: Costs) -> set[str]:
+        """Prophets with a drafting cost that no K would pay for at this batch size, at their
+        recent acceptance over every row: batch-free rows do not ask them this step (their
+        draft would be cut to nothing after it was paid for). A lookup costs nothing."""
+        self._skip_steps += 1
+        if len(active) == 1 or self.drafter is None or self._skip_steps % POOL_PROBE == 0:
+            return set()  # every POOL_PROBE-th step drafts anyway: the estimate stays fresh
+        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
+            else [self.drafter]
+        k_max = max(r.k for r in active)
+        out = set()
+        for part in parts:
+            a = self._pooled_rate(part.name)
+            if a is None or not costs.t_draft_by.get(part.name, costs.t_draft) > 0 or k_max < 1:
+                continue
+            if costs.best_k(a, k_max, part.name)[1] <= 1.0:
+                out.add(part.name)
+        return out
 
     def calibrate(self, k_max: int, prompt_len: int = 16) -> dict[int, Costs]:
         """Measure now, on placeholder rows, the step costs of every batch-size bucket (1, 2,
@@ -1228,6 +1267,10 @@ class BatchEngine:
         n_drafted = len(drafted) if n_drafted is None else n_drafted
         if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
             observe_recent(req.recent, prophet, n_accepted)
+        if n_drafted and prophet is not None:
+            pooled = self._pooled.setdefault(prophet, [0.0, 0.0])
+            pooled[0] = pooled[0] * POOL_DECAY + min(n_drafted, n_accepted + 1)
+            pooled[1] = pooled[1] * POOL_DECAY + n_accepted
         if req.policy is not None and self.drafter is not None:
             req.policy.observe(RoundOutcome(n_drafted, n_accepted, share[0], share[1], 1 if n_drafted else 0,
                                             prophet if n_drafted else None))

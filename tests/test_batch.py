@@ -487,6 +487,25 @@ def test_batched_feature_prophets_are_greedy_equal(tiny_pair, plain_tiny, tiny_e
         assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
 
 
+def test_a_feature_prophet_in_a_token_tree_is_exact(tiny_pair, plain_tiny, tiny_eagle):
+    """An eagle head and prompt lookup (or a draft model) in one token tree per row: the tree
+    pass also returns each node's feature, and the next drafts start from the last accepted
+    node's. Greedy rows equal plain decoding; the chi-square of the batched rows at T=1 holds."""
+    from specdec.check import certify
+
+    both = 0  # rounds whose tree holds both prophets' chains
+    for other in ("ngram", tiny_pair["close"]):
+        dec = load(tiny_pair["target"], draft=f"{other}+{tiny_eagle}", multi="tree", policy="fixed",
+                   draft_tokens=3, draft_dtype=torch.float32)
+        for prompt in ("def main():", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["):
+            got = dec.generate(prompt, max_new_tokens=24, temperature=0)
+            assert got.token_ids == plain_tiny.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+            both += sum(len(e.proposals) == 2 for e in got.events)
+    assert both > 0
+    report = certify(dec, dec.plain(), "def ", tokens=2, samples=300, temperature=1.0)
+    assert report.result.passed, report.result
+
+
 def test_a_batched_feature_prophet_drafts_what_it_drafts_alone(tiny_pair, tiny_eagle):
     """The feature each row drafts from is the one the unbatched engine uses (the target's
     hidden state at the last accepted position): the same drafts, round by round."""

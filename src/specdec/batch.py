@@ -84,8 +84,8 @@ class BatchLM(Protocol):
         ...
 
     def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int], layers: int | None = None,
-                         head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, also returning the hidden states (B, max(n_logits), D) the head read;
         layers: the first ones only (an early exit; head=False: features only)."""
         ...
@@ -730,13 +730,12 @@ class TreeBatchDrafter:
     mask and verified by recursive rejection sampling (`verify_tree`), exact at every
     temperature: each chain was drawn independently of the others, from its own q."""
 
-    reads_features = False
-
-    def __init__(self, parts: Sequence[LookupBatchDrafter | ModelBatchDrafter]) -> None:
+    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter]) -> None:
         if len({p.name for p in parts}) < len(parts):
             raise ValueError("each prophet in a tree needs a name of its own (a row keeps a cache per draft model)")
         self.parts = list(parts)
         self.name = "+".join(p.name for p in parts)
+        self.reads_features = any(p.reads_features for p in parts)  # an eagle's chain in the tree
 
     def room(self, req: Request) -> int:
         return min(p.room(req) for p in self.parts)
@@ -954,8 +953,12 @@ class BatchEngine:
         trees = draft.trees
         feeds = [r.context[r.target_cached:] + t.tokens for r, t in zip(active, trees, strict=True)]
         starts = [r.target_cached for r in active]
-        logits = self.target.forward([_slot(r) for r in active], starts, feeds, [len(t.tokens) + 1 for t in trees],
-                                     trees=[t.parents for t in trees])
+        args = ([_slot(r) for r in active], starts, feeds, [len(t.tokens) + 1 for t in trees])
+        hidden = None
+        if self.drafter is not None and self.drafter.reads_features:  # the features the next drafts start from
+            logits, hidden = self.target.forward_features(*args, trees=[t.parents for t in trees])
+        else:
+            logits = self.target.forward(*args, trees=[t.parents for t in trees])
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         t1 = time.perf_counter()
@@ -981,6 +984,9 @@ class BatchEngine:
             e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
             e.prophet = "+".join(e.proposals) if n else None
+            # the next token came from the head at the last accepted node (or the chain's end)
+            r.feature = hidden[b, 1 + verdict.path[-1] if verdict.path else 0] if hidden is not None and \
+                len(e.committed) == len(path) + 1 and not r.done else None
             events.append(e)
         return events
 

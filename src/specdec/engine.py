@@ -119,9 +119,6 @@ class SpeculativeDecoder:
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
                              f"'{self._feature_readers[0].name}' drafts from")
-        if self._feature_readers and multi == "tree" and len(self.drafters) > 1:
-            raise ValueError("a feature prophet combines with other prophets only with multi='first' or 'best' "
-                             "(--multi first)")
 
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:

@@ -78,6 +78,9 @@ class RowsLM:
             view = self._view(int(slot), start)
             parents = trees[b] if trees is not None else None
             h = None
+            if parents and features:
+                raise ValueError(f"'{self.name}' scores a token tree without its features: a feature prophet in "
+                                 "a tree (--multi tree) needs a plain Llama target on the lean path")
             if parents:  # a chain then a token tree: logits after the chain's last token and each node
                 chain = len(ids) - len(parents)
                 tree_tokens = list(ids[chain:])

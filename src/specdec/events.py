@@ -11,10 +11,10 @@ from typing import Any
 class RoundEvent:
     index: int
     drafter: str | None  # who drafted this round; None for a plain decoding step
-    # K of the round: on the per-request loop the policy's K cut to the length and context;
-    # on the one loop (specdec.batch) the tokens drafted after the step's cuts
+    # K of the round: the tokens drafted after the step's cuts (policy, length, context, the
+    # step's common K); for a tree, the longest prophet's chain
     k: int
-    drafted: list[int]  # proposed tokens (the accepted path's candidates, for a tree)
+    drafted: list[int]  # proposed tokens (for a tree: the accepted path)
     accepted: int  # how many drafted tokens the verifier accepted (a prefix; see accepted_out)
     next_token: int  # the recovered or bonus token that ends the round
     next_kind: str  # "recovered" or "bonus"

@@ -1,6 +1,7 @@
-"""A lean decode path for Llama-family models: the per-request loop's target and draft
-models (`FastLlamaLM`), and the weights, products and attention that the one loop's
-batched model (`specdec.batch.BatchLlama`) shares (`LlamaWeights`, `exact_attention`).
+"""A lean decode path for Llama-family models: a one-sequence view (`FastLlamaLM`: what a
+decoder holds as its target and draft models, calibrates on and trains with; the one loop
+reads its weights), and the weights, products and attention that the one loop's batched
+model (`specdec.batch.BatchLlama`) shares (`LlamaWeights`, `exact_attention`).
 
 A 2-layer drafter spends most of a Hugging Face forward call in Python (module calls,
 mask construction, cache bookkeeping), not in arithmetic, and that overhead is the

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdec.batch import BatchEngine, Request
+from specdec.batch import BatchEngine
 from specdec.costmodel import Costs, interleaved_minimums, monotone
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Drafter
@@ -34,6 +34,7 @@ from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
 from specdec.lm import CausalLM
 from specdec.policy import Policy, make_policy
+from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
 

@@ -12,10 +12,47 @@ rows in one product is missing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from specdec.lm import CausalLM
+
+
+class BatchLM(Protocol):
+    """A model with `slots` independent caches, written by position."""
+
+    name: str
+    vocab_size: int
+    max_length: int
+    slots: int
+    @property
+    def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
+
+    def free(self, slot: int) -> None:
+        """Return a slot's cache memory: its request has left."""
+        ...
+
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """Row b: new_ids[b] into cache slot slots[b] at positions starts[b].., seeing that
+        slot's first starts[b] entries. Returns logits (B, max(n_logits), V): entry j of row b
+        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding.
+        trees[b]: the parents of a token tree ending row b's new ids (see `BatchLlama.forward`)."""
+        ...
+
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass: the accepted nodes' entries moved to base, base + 1, ..."""
+        ...
+
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the hidden states (B, max(n_logits), D) the head read;
+        layers: the first ones only (an early exit; head=False: features only)."""
+        ...
+
+
 
 
 class RowsLM:
@@ -119,4 +156,4 @@ class RowsLM:
             view.keep_tree_path(0, list(path), tree_tokens)
 
 
-__all__ = ["RowsLM"]
+__all__ = ["BatchLM", "RowsLM"]

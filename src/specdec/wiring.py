@@ -378,11 +378,15 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
 def engine_for(decoder: Any, slots: int) -> Any:
     """The BatchEngine of `slots` rows over a SpeculativeDecoder's own weights and prophets
     (cached on it): the one round loop its requests run on, alone or many at once."""
-    from specdec.batch import (
+    from specdec.batch import BatchEngine, BatchLlama
+    from specdec.drafters.feature import FeatureDrafter
+    from specdec.drafters.layerskip import LayerSkipDrafter
+    from specdec.drafters.model import ModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.drafters.retrieval import RetrievalDrafter
+    from specdec.fastllama import FastLlamaLM, supports
+    from specdec.rowdrafters import (
         BatchDrafter,
-        BatchEngine,
-        BatchLlama,
-        BatchLM,
         EarlyExitBatchDrafter,
         FeatureBatchDrafter,
         FirstBatchDrafter,
@@ -391,13 +395,7 @@ def engine_for(decoder: Any, slots: int) -> Any:
         RowsDrafter,
         TreeBatchDrafter,
     )
-    from specdec.drafters.feature import FeatureDrafter
-    from specdec.drafters.layerskip import LayerSkipDrafter
-    from specdec.drafters.model import ModelDrafter
-    from specdec.drafters.ngram import NgramDrafter
-    from specdec.drafters.retrieval import RetrievalDrafter
-    from specdec.fastllama import FastLlamaLM, supports
-    from specdec.rows import RowsLM
+    from specdec.rows import BatchLM, RowsLM
 
     cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
     if slots in cache:

@@ -30,12 +30,14 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.batch import BatchEngine, BatchLlama, ModelBatchDrafter, Request, StepEvent
+from specdec.batch import BatchEngine, BatchLlama
 from specdec.engine import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
 from specdec.finish import Finish
 from specdec.policy import make_policy
+from specdec.request import Request, StepEvent
+from specdec.rowdrafters import ModelBatchDrafter
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 from specdec.wiring import engine_for

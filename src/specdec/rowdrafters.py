@@ -1,0 +1,457 @@
+"""Prophets for rows of the one loop: each drafts up to its own K for every row of a step.
+
+- `ModelBatchDrafter`: a small model on its own slots (`BatchLM`), autoregressively, for all rows
+  at once; `EarlyExitBatchDrafter`: the target's first layers in the rows' own target slots
+  (layerskip, kangaroo).
+- `LookupBatchDrafter`: prompt lookup or retrieval per row (q one-hot); `RowsDrafter`: any other
+  prophet, a view of it per row.
+- `FeatureBatchDrafter`: eagle or medusa from each row's last target feature.
+- `FirstBatchDrafter` (`--multi first`/`best`): per row, the first (or best recent) prophet that
+  proposes; `TreeBatchDrafter` (`--multi tree`): every prophet, merged into a token tree per row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.costmodel import median_seconds
+from specdec.drafters.base import Drafter
+from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
+from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.policy import best_first
+from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot
+from specdec.rows import BatchLM
+from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
+from specdec.verify import DraftTree
+
+
+@dataclass
+class BatchDraft:
+    tokens: list[list[int]]  # (B, k_b) drafted tokens per row
+    probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
+    names: list[str | None] | None = None  # the prophet of each row's draft (None: the drafter's name)
+    one_hot: list[bool] | None = None  # rows whose q is one-hot (probs ignored there): greedy or lookup
+    # multi="tree": each row's prophets' chains merged into one token tree (tokens then unused),
+    # and each row's chains by prophet (a draft model's cache keeps what agrees with the path)
+    trees: list[DraftTree] | None = None
+    chains: list[dict[str, list[int]]] | None = None
+
+    def cut(self, ks: Sequence[int]) -> BatchDraft:
+        return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)
+
+
+class ModelBatchDrafter:
+    """A small model drafting autoregressively for every row at once, each up to its own k_b."""
+
+    reads_features = False
+
+    def __init__(self, lm: BatchLM, name: str | None = None) -> None:
+        self.lm, self.name = lm, name or lm.name
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        slots, starts = [_slot(r) for r in reqs], [self._cached(r) for r in reqs]
+        if min(self.lm.max_length - s for s in starts) <= 1:
+            return {self.name: 0.0}
+        step = lambda: self.lm.forward(slots, starts, [[0]] * len(reqs), [1] * len(reqs))  # noqa: E731
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
+
+    def room(self, req: Request) -> int:
+        return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        _prefill(self.lm, reqs, self.name)
+
+    def _cached(self, req: Request) -> int:
+        """Positions of the row's context already in the drafter's cache (drafting starts there)."""
+        return _cached(req, self.name)
+
+    def _fed(self, req: Request, n: int) -> None:
+        req.draft_cached[self.name] = self._cached(req) + n  # its own cache keeps what it read
+
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """One drafting step for these rows: logits (B', V) after each row's feed."""
+        return self.lm.forward(slots, starts, feeds, [1] * len(slots))[:, 0]
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size, device=self.lm.device)  # (B, K, V)
+        at = {b: self._cached(reqs[b]) for b, k in enumerate(ks) if k > 0}
+        feeds = {b: reqs[b].context[at[b]:] for b in at}
+        keep = _keep_drafting(reqs)
+        ks = list(ks)
+        for j in range(max(ks)):
+            live = [b for b in feeds if ks[b] > j]
+            if not live:
+                break
+            logits = self._logits([_slot(reqs[b]) for b in live], [at[b] for b in live],
+                                  [feeds[b] for b in live])  # (B_live, V)
+            q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"drafter '{self.name}'")[:, 0]
+            probs[live, j] = q
+            greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
+            for i, b in enumerate(live):
+                req = reqs[b]
+                at[b] += len(feeds[b])
+                self._fed(req, len(feeds[b]))
+                token = greedy[i] if req.params.greedy else draw(q[i], req.params, req.generator,
+                                                                    len(req.context) + j)
+                feeds[b] = [token]
+                tokens[b].append(token)
+                stop = keep[b]
+                if stop is not None and not stop(torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
+                    ks[b] = j + 1  # the confidence policy's early stop: this row drafts no further
+        return BatchDraft(tokens, probs)
+
+
+class EarlyExitBatchDrafter(ModelBatchDrafter):
+    """The target drafting for its own rows with its first L layers (layerskip), or through a
+    trained adapter after them (kangaroo, `AdaptedExitDrafter`). It reads and writes the
+    rows' own target slots: those layers' entries for the drafted positions sit past each
+    row's committed tokens, where the verification pass overwrites them; the row's cached
+    length never moves while drafting. No model and no cache of its own."""
+
+    def __init__(self, target: BatchLM, prophet: LayerSkipDrafter) -> None:
+        super().__init__(target)
+        self.target, self.prophet, self.name = target, prophet, prophet.name
+        self.layers = prophet.layers
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        slots, starts = [_slot(r) for r in reqs], [r.target_cached for r in reqs]
+        if min(self.target.max_length - s for s in starts) <= 1:
+            return {self.name: 0.0}
+        step = lambda: self._logits(slots, starts, [[0]] * len(reqs))  # noqa: E731
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass  # the rows' target slots are its cache
+
+    def _cached(self, req: Request) -> int:
+        return req.target_cached
+
+    def _fed(self, req: Request, n: int) -> None:
+        pass  # provisional entries: the target's cached length stays at the committed tokens
+
+    @torch.inference_mode()
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        p, ones = self.prophet, [1] * len(slots)
+        if not isinstance(p, AdaptedExitDrafter):
+            return self.target.forward_features(slots, starts, feeds, ones, layers=self.layers)[0][:, 0]
+        _, feature = self.target.forward_features(slots, starts, feeds, ones, layers=self.layers, head=False)
+        sub = (p.adapter.adapt(feature[:, 0].to(p.dtype)) @ p.sub_head.T).float()  # (B', N)
+        return full_vocab_logits(sub, p.vocab_ids, p.vocab_size or 0)  # (B', V)
+
+
+class LookupBatchDrafter:
+    """A lookup prophet for every row: one that drafts from the row's context alone, keeps no
+    state and no model (prompt lookup, `specdec.drafters.ngram`; retrieval from a datastore,
+    `specdec.drafters.retrieval`). Its drafts are deterministic: q is one-hot."""
+
+    reads_features = False
+
+    def __init__(self, prophet: Drafter) -> None:
+        self.prophet, self.name = prophet, prophet.name
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {self.name: 0.0}  # a lookup: nothing next to a model's step
+
+    def room(self, req: Request) -> int:
+        return 1 << 30
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        return BatchDraft([self.prophet.propose(r.context, k, r.params, None).tokens if k else []
+                           for r, k in zip(reqs, ks, strict=True)], None)
+
+
+class RowsDrafter(LookupBatchDrafter):
+    """Any prophet (`specdec.drafters.base.Drafter`) for rows, one row after another: a view
+    of it per cache slot (`for_request`: the same weights, state of its own), told what each
+    row committed before it drafts, and the target's feature where it reads features. The
+    one loop's adapter for a prophet registered without a batched path; its q is its own."""
+
+    def __init__(self, prophet: Drafter, target: Any, slots: int) -> None:
+        super().__init__(prophet)
+        self.target, self.reads_features = target, prophet.reads_features
+        self.views: list[Drafter | None] = [None] * slots
+        self._per_token = 0.0  # seconds per drafted token, as last seen
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {self.name: self._per_token}
+
+    def free(self, slot: int) -> None:
+        self.views[slot] = None
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        q_rows: dict[int, torch.Tensor] = {}
+        t0, drafted = time.perf_counter(), 0
+        for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            if not k:
+                continue
+            view = self.views[_slot(r)]
+            if view is None:
+                view = self.views[_slot(r)] = self.prophet.for_request(self.target)
+                view.reset()
+            view.committed(r.context)
+            if self.reads_features and r.feature is not None:
+                view.see_feature(len(r.context) - 2, r.feature)
+            keep = r.policy.keep_drafting() if r.policy is not None else None
+            d = view.propose(r.context, k, r.params, r.generator, keep)
+            tokens[b], drafted = list(d.tokens), drafted + len(d.tokens)
+            if d.probs is not None and d.tokens:
+                q_rows[b] = d.probs[: len(d.tokens)]
+        if drafted:
+            self._per_token = (time.perf_counter() - t0) / drafted
+        if not q_rows:
+            return BatchDraft(tokens, None)
+        first = next(iter(q_rows.values()))
+        probs = torch.zeros(len(reqs), max(len(t) for t in tokens), first.shape[-1], device=first.device)
+        for b, q in q_rows.items():
+            probs[b, : len(q)] = q
+        return BatchDraft(tokens, probs, one_hot=[b not in q_rows for b in range(len(reqs))])
+
+
+class NgramBatchDrafter(LookupBatchDrafter):
+    """Prompt lookup per row (see specdec.drafters.ngram)."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
+        super().__init__(NgramDrafter(n_max, n_min))
+
+
+class FeatureBatchDrafter:
+    """A feature prophet (specdec.drafters.feature: eagle or medusa, sharing its heads) for
+    every row at once. A row drafts from the target's feature at its last committed
+    position, which the previous step's verification pass left in `req.feature`; a row
+    without one (it just joined, or its text was cut) drafts nothing this step, and its
+    plain step yields one. q is 0 outside the draft vocabulary (exact, see feature.py)."""
+
+    reads_features = True
+
+    def __init__(self, prophet: FeatureDrafter) -> None:
+        self.prophet, self.name = prophet, prophet.name
+        self.vocab_size = int(prophet.vocab_size or 0)
+
+    def room(self, req: Request) -> int:
+        return 1 << 30
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """Greedy rows take the argmax over the draft vocabulary (q one-hot: nothing over the
+        full vocabulary is built for them); sampled rows sample from q, kept for the verifier."""
+        p = self.prophet
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        if not rows:
+            return BatchDraft(tokens, None)
+        k_rows = [p.max_k(ks[b]) for b in rows]
+        keep = _keep_drafting(reqs)
+        who = f"drafter '{self.name}'"
+        sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
+        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
+        h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
+        h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
+        for j in range(1, max(k_rows) + 1):
+            h = p.guess(h, h0, last, j)
+            sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary (q is 0 elsewhere)
+            check_logits(sub, who)
+            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureDrafter.propose picks greedily
+            drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
+            if drawing:  # generator's draws never depend on how long the rows beside it draft
+                q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
+                for n, i in enumerate(drawing):
+                    req = reqs[rows[i]]
+                    picked[i] = draw(q[n], req.params, req.generator, len(req.context) + j - 1, p.vocab_ids,
+                                     self.vocab_size)
+                    probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
+            for i, b in enumerate(rows):
+                if k_rows[i] >= j:
+                    tokens[b].append(picked[i])
+                    stop = keep[b]
+                    if stop is not None and k_rows[i] > j:
+                        sure = probs[b, j - 1] if probs is not None and not reqs[b].params.greedy else \
+                            torch.softmax(sub[i].float(), -1)
+                        if not stop(sure):
+                            k_rows[i] = j  # the confidence policy's early stop: this row drafts no further
+            last = torch.tensor(picked, device=h0.device)
+        return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        """Seconds of one drafting step for these rows, per row."""
+        p = self.prophet
+        h = torch.zeros(len(reqs), p.sub_head.shape[1], dtype=p.dtype, device=p.sub_head.device)
+        ids = torch.zeros(len(reqs), dtype=torch.long, device=h.device)
+
+        @torch.inference_mode()
+        def step() -> None:
+            torch.softmax(p.draft_logits(p.guess(h, h, ids, 1)), -1)
+
+        return {self.name: median_seconds(step, repeats) / len(reqs)}
+
+
+class FirstBatchDrafter:
+    """Several prophets, the first in order that proposes something for a row drafts for it
+    (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere), or,
+    with `best`, only the one with the best recent tokens per round in that row's request
+    (`multi="best"`, `Request.recent`). The choice depends on each row's committed context
+    and its own past rounds only, so it stays exact; the verifier sees one-hot q for a
+    deterministic prophet's rows."""
+
+    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter],
+                 best: bool = False) -> None:
+        if len({p.name for p in parts}) < len(parts):
+            raise ValueError("each prophet among several needs a name of its own (a row keeps a cache per draft model)")
+        self.parts = list(parts)
+        self.best = best
+        self.name = "+".join(p.name for p in parts)
+        self.reads_features = any(p.reads_features for p in parts)
+
+    def _order(self, req: Request) -> list[str]:
+        """The order in which this row asks the prophets: theirs, or with `best` by the
+        row's own running tokens per round (`policy.best_first`)."""
+        names = [p.name for p in self.parts]
+        return best_first(names, req.recent) if self.best else names
+
+    def room(self, req: Request) -> int:
+        return min(p.room(req) for p in self.parts)
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        for p in self.parts:
+            p.prefill(reqs)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int],
+                budget: Callable[[Request, str], int]) -> BatchDraft:
+        """ks: each row's largest K; budget(req, prophet name): that prophet's K for the row
+        (its policy's K, 0 where the row may not use that prophet)."""
+        tokens: list[list[int]] = [[] for _ in reqs]
+        names: list[str | None] = [None] * len(reqs)
+        one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
+        q_rows: dict[int, torch.Tensor] = {}
+        orders = [self._order(r) for r in reqs]
+        # Rank by rank: a row asks its rank-th prophet only while nothing earlier proposed.
+        for rank, part in ((rank, part) for rank in range(len(self.parts)) for part in self.parts):
+            part_ks = [0 if tokens[b] or not k or orders[b][rank] != part.name else min(k, budget(r, part.name))
+                       for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
+            if not any(part_ks):
+                continue
+            got = part.propose(reqs, part_ks)
+            for b, t in enumerate(got.tokens):
+                if t and not tokens[b]:
+                    tokens[b], names[b] = t, part.name
+                    if got.probs is not None and not (got.one_hot and got.one_hot[b]):
+                        one_hot[b] = False
+                        q_rows[b] = got.probs[b, : len(t)]
+        if not q_rows:
+            return BatchDraft(tokens, None, names)
+        k_max = max(len(t) for t in tokens)
+        first = next(iter(q_rows.values()))
+        probs = torch.zeros(len(reqs), k_max, first.shape[-1], device=first.device)
+        for b, q in q_rows.items():
+            probs[b, : len(q)] = q
+        return BatchDraft(tokens, probs, names, one_hot)
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
+
+
+class TreeBatchDrafter:
+    """Several prophets, every one drafting for each row (`multi="tree"`): a row's chains are
+    merged into one token tree (`specdec.verify.DraftTree`), scored in one pass with a tree
+    mask and verified by recursive rejection sampling (`verify_tree`), exact at every
+    temperature: each chain was drawn independently of the others, from its own q."""
+
+    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter]) -> None:
+        if len({p.name for p in parts}) < len(parts):
+            raise ValueError("each prophet in a tree needs a name of its own (a row keeps a cache per draft model)")
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in parts)
+        self.reads_features = any(p.reads_features for p in parts)  # an eagle's chain in the tree
+
+    def room(self, req: Request) -> int:
+        return min(p.room(req) for p in self.parts)
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        for p in self.parts:
+            p.prefill(reqs)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """ks: each row's K for its tree (every prophet the row may use drafts up to it)."""
+        trees = [DraftTree() for _ in reqs]
+        chains: list[dict[str, list[int]]] = [{} for _ in reqs]
+        for part in self.parts:
+            part_ks = [k if r.prophets is None or part.name in r.prophets else 0
+                       for r, k in zip(reqs, ks, strict=True)]
+            if not any(part_ks):
+                continue
+            got = part.propose(reqs, part_ks)
+            for b, t in enumerate(got.tokens):
+                if t:
+                    deterministic = got.probs is None or bool(got.one_hot and got.one_hot[b])
+                    trees[b].add_chain(t, None if deterministic or got.probs is None else got.probs[b, : len(t)],
+                                       part.name)
+                    chains[b][part.name] = t
+        return BatchDraft([[] for _ in reqs], None, trees=trees, chains=chains)
+
+    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
+        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
+
+
+
+
+BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter | TreeBatchDrafter
+TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
+
+
+def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None) -> None:
+    """Feed rows' prompts but their last token (later steps then feed few tokens per row):
+    with a budget, one chunk per row, from where the row is (its length in `cache`) to
+    the next multiple of `budget` positions, for rows in order while the chunks fit `budget`
+    tokens in all (at least one row); without, every row's whole prompt."""
+    feeds: list[tuple[Request, int, int]] = []
+    used = 0
+    for r in reqs:
+        done, end = _cached(r, cache), len(r.prompt) - 1
+        if done >= end:
+            continue
+        stop = end if budget is None else min(end, (done // budget + 1) * budget)
+        if feeds and budget is not None and used + stop - done > budget:
+            break
+        feeds.append((r, done, stop))
+        used += stop - done
+    if feeds:
+        lm.forward([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
+                   [0] * len(feeds))
+    for r, _, b in feeds:
+        _set_cached(r, cache, b)
+
+
+
+
+def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
+    """logits (B, n, V) -> each row's sampling distribution (B, n, V), one call per distinct setting."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, r in enumerate(reqs):
+        groups.setdefault(r.params, []).append(b)
+    if len(groups) == 1:  # one setting (a request alone, or rows alike): no gather and scatter
+        return logits_to_probs(logits, reqs[0].params, who=who)
+    out = torch.empty_like(logits)
+    for params, rows in groups.items():
+        out[rows] = logits_to_probs(logits[rows], params, who=who)
+    return out
+
+
+
+
+__all__ = ["TREE", "BatchDraft", "BatchDrafter", "EarlyExitBatchDrafter", "FeatureBatchDrafter", "FirstBatchDrafter",
+           "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter", "TreeBatchDrafter"]

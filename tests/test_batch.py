@@ -11,20 +11,14 @@ from hypothesis import strategies as st
 
 from specdec import load
 from specdec.api import batch_engine
-from specdec.batch import (
-    BatchEngine,
-    BatchLlama,
-    FeatureBatchDrafter,
-    FirstBatchDrafter,
-    ModelBatchDrafter,
-    NgramBatchDrafter,
-    Request,
-)
+from specdec.batch import BatchEngine, BatchLlama
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
 from specdec.fastllama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
+from specdec.request import Request
+from specdec.rowdrafters import FeatureBatchDrafter, FirstBatchDrafter, ModelBatchDrafter, NgramBatchDrafter
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA

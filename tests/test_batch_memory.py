@@ -7,7 +7,8 @@ import torch
 
 from specdec import load
 from specdec.api import batch_engine
-from specdec.batch import BatchLlama, Request
+from specdec.batch import BatchLlama
+from specdec.request import Request
 from specdec.sampling import SamplingParams
 from tests.test_batch import smollm2_shaped
 

@@ -11,12 +11,12 @@ import torch
 
 from specdec import load
 from specdec.api import batch_engine
-from specdec.batch import Request
 from specdec.certify import goodness_of_fit
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import Policy
+from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling, coupled_choice, draw, keyed_exponentials
 from specdec.toy import MarkovLM
 from tests.helpers import ALPHA, fit_against_exact

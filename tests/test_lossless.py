@@ -94,7 +94,7 @@ class UnknownProphet:
 
 @pytest.mark.parametrize("multi", ["first", "tree"])
 def test_a_prophet_without_a_batched_class_is_lossless_on_the_one_loop(multi):
-    from specdec.batch import RowsDrafter
+    from specdec.rowdrafters import RowsDrafter
     from specdec.wiring import engine_for
 
     target, good, bad = models()

@@ -45,12 +45,8 @@ from specdec.rowdrafters import (
     TREE,
     BatchDraft,
     BatchDrafter,
-    EarlyExitBatchDrafter,
-    FeatureBatchDrafter,
     FirstBatchDrafter,
-    LookupBatchDrafter,
     ModelBatchDrafter,
-    NgramBatchDrafter,
     RowsDrafter,
     TreeBatchDrafter,
     _prefill,
@@ -794,6 +790,4 @@ class BatchEngine:
         return list(prompt)
 
 
-__all__ = ["BatchDraft", "BatchEngine", "BatchLM", "BatchLlama", "EarlyExitBatchDrafter", "FeatureBatchDrafter",
-           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "Request", "StepEvent",
-           "RowsDrafter", "TreeBatchDrafter"]
+__all__ = ["BatchEngine", "BatchLlama", "trim_heap"]

@@ -421,7 +421,7 @@ def engine_for(decoder: Any, slots: int) -> Any:
         else:  # a prophet registered without a batched path: row by row, a view of it per slot
             parts.append(RowsDrafter(d, decoder.target, slots))
     drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
-    if len(parts) > 1 and decoder.multi == "tree":  # no feature prophet among them (the decoder refuses it)
+    if len(parts) > 1 and decoder.multi == "tree":  # a token tree per row (feature prophets included)
         drafter = TreeBatchDrafter(parts)  # type: ignore[arg-type]
     elif len(parts) > 1:
         drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]

@@ -171,3 +171,31 @@ def test_generation_stops_at_the_context_limit(tiny_pair):
     dec = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=5)
     out = dec.generate(list(range(1, 250)), max_new_tokens=50, temperature=0)
     assert out.finish_reason == "context" and len(out.prompt_ids) + len(out.token_ids) == 256
+
+
+@pytest.mark.parametrize("spec,multi", [("layerskip:1", "auto"), ("{close}+ngram", "tree"), ("ngram+{eagle}", "first")])
+def test_a_transformers_target_runs_every_row_path_of_the_one_loop(tiny_pair, tiny_eagle, plain, spec, multi):
+    """A transformers target scores its rows one after another through views of its own
+    (specdec.rows.RowsLM): the early exit's provisional entries, token trees and the features
+    an eagle reads all go through it. Greedy rows equal plain decoding, alone and batched;
+    the chi-square of batched rows at T=1 holds."""
+    from specdec.check import certify
+    from specdec.rows import RowsLM
+    from specdec.wiring import engine_for
+
+    dec = load(tiny_pair["target"], draft=spec.format(eagle=tiny_eagle, **tiny_pair), multi=multi, policy="fixed",
+               draft_tokens=3, backend="hf")
+    assert isinstance(engine_for(dec, 4).target, RowsLM)
+    want = [plain.generate(p, max_new_tokens=24, temperature=0).token_ids for p in PROMPTS[:4]]
+    alone = [dec.generate(p, max_new_tokens=24, temperature=0) for p in PROMPTS[:4]]
+    assert [g.token_ids for g in alone] == want and sum(g.stats.drafted for g in alone) > 0
+    assert [g.token_ids for g in dec.generate_many(PROMPTS[:4], max_new_tokens=24, temperature=0)] == want
+    report = certify(dec, dec.plain(), "def ", tokens=2, samples=300, temperature=1.0)
+    assert report.result.passed, report.result
+
+
+def test_a_feature_prophet_in_a_tree_on_a_transformers_target_is_a_clear_error(tiny_pair, tiny_eagle):
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", multi="tree", policy="fixed", draft_tokens=3,
+               backend="hf")
+    with pytest.raises(ValueError, match="needs a plain Llama target"):
+        dec.generate("def main():", max_new_tokens=8, temperature=0)

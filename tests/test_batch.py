@@ -307,10 +307,11 @@ class MarkovBatch:
     def free(self, slot):  # a freed slot holds nothing: a row that trusted it would fail the assert below
         self.tokens[slot] = []
 
-    def forward(self, slots, starts, new_ids, n_logits):
-        return self.forward_features(slots, starts, new_ids, n_logits)[0]
+    def forward(self, slots, starts, new_ids, n_logits, trees=None):
+        return self.forward_features(slots, starts, new_ids, n_logits, trees=trees)[0]
 
-    def forward_features(self, slots, starts, new_ids, n_logits):
+    def forward_features(self, slots, starts, new_ids, n_logits, trees=None):
+        assert not any(trees or []), "no token trees in these tests"
         out = torch.zeros(len(slots), max(n_logits), self.vocab_size)
         hidden = torch.zeros(len(slots), max(n_logits), MarkovLM.FEATURE_DIM)
         for b, (slot, start, ids, n) in enumerate(zip(slots, starts, new_ids, n_logits, strict=True)):

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
 from specdec.finish import Finish
-from specdec.lm import common_prefix, tree_layout
+from specdec.lm import common_prefix, tree_depths, tree_layout
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.ragged import verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot
@@ -56,7 +56,15 @@ from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, couple, logits_to_probs
 from specdec.verify import verify_tree
 
-_MASKED_TREE_EXACT: dict[tuple[Any, ...], bool] = {}  # see BatchLlama._masked_tree_exact
+
+class _Tree(NamedTuple):
+    """A row's token tree in one pass: its mask (`tree_layout`'s) and, where scored rows must
+    attend as one-token steps (`exact_rows`), the key positions each node sees, in order."""
+
+    mask: torch.Tensor
+    node_keys: list[torch.Tensor]
+
+
 TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
 
 
@@ -142,10 +150,9 @@ class BatchLlama(LlamaWeights):
         return k, v
 
     def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
-                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor | None]]
-                   ) -> torch.Tensor:
+                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
         """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
-        tokens, scored tokens, tree mask or None). Each row writes its new keys/values by
+        tokens, scored tokens, token tree or None). Each row writes its new keys/values by
         position into its own slot (entries past its committed length are stale, overwritten
         later) and attends over them alone: causally, or (a token tree) as its mask allows."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
@@ -159,17 +166,16 @@ class BatchLlama(LlamaWeights):
         # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
         # by itself) has no padding: its attention is the output, nothing to fill or copy.
         out = torch.zeros_like(q) if n_rows > 1 else None
-        for b, (keys, values, start, n_new, scored, mask) in enumerate(rows):
+        for b, (keys, values, start, n_new, scored, tree) in enumerate(rows):
             keys[i, :, start : start + n_new] = k[b, :, :n_new]
             values[i, :, start : start + n_new] = v[b, :, :n_new]
-            if mask is not None and self.exact_rows and not self._masked_tree_exact(gqa):
-                # a tree, each scored query attending as a one-token step does (see _tree_attention)
-                one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, mask,
-                                           scored - 1, gqa)
-            elif mask is not None:  # a token tree: each node sees the context, the chain and its ancestors
+            if tree is not None and self.exact_rows:  # each scored query as a one-token step attends
+                one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start,
+                                           tree.node_keys, gqa)
+            elif tree is not None:  # a token tree: each node sees the context, the chain and its ancestors
                 end = start + n_new
                 one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end],
-                                                     values[i][None, :, :end], attn_mask=mask, enable_gqa=gqa)
+                                                     values[i][None, :, :end], attn_mask=tree.mask, enable_gqa=gqa)
             else:
                 solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
                 one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
@@ -181,44 +187,19 @@ class BatchLlama(LlamaWeights):
         assert out is not None
         return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
 
-    def _masked_tree_exact(self, gqa: bool) -> bool:
-        """Whether this machine's masked attention over a chain and a tree already scores each
-        query as a one-token step does (probed once per dtype, device and head shapes on
-        random data at a few context lengths): then trees take that one pass, 1.5-2.5x cheaper
-        at 200-800 positions than node by node (on an AMD EPYC with avx512_bf16 it is not: the
-        probe finds rows that differ, so its trees attend node by node)."""
-        key = (self.embed.dtype, str(self.device), self.n_heads, self.n_kv, self.head_dim)
-        if key not in _MASKED_TREE_EXACT:
-            g = torch.Generator().manual_seed(0)
-            parents, chain = [-1, 0, 1, -1, 3, 0, 5], 2
-            exact = True
-            for start in (5, 120, 700):
-                n = chain + len(parents)
-                q, k, v = (torch.randn(1, h, m, self.head_dim, generator=g).to(self.embed.dtype).to(self.device)
-                           for h, m in ((self.n_heads, n), (self.n_kv, start + n), (self.n_kv, start + n)))
-                mask = tree_layout(start, chain, parents)[1].to(self.device)
-                masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-                one_by_one = self._tree_attention(q, k, v, start, mask, len(parents), gqa)
-                exact = exact and torch.equal(masked[:, :, chain - 1 :], one_by_one[:, :, chain - 1 :])
-            _MASKED_TREE_EXACT[key] = exact
-        return _MASKED_TREE_EXACT[key]
-
     def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                        mask: torch.Tensor, tree: int, gqa: bool) -> torch.Tensor:
-        """A chain then a token tree of `tree` nodes (mask: `tree_layout`'s), attended so that each scored
-        query computes exactly what a one-token step at its place would: the chain through
-        `exact_attention` (its last query alone), and each node alone over the keys it sees,
-        gathered in order (context, chain, its ancestors, itself), as one contiguous sequence.
-        In bfloat16 (and with 4-bit products) a tree row then scores what plain decoding scores."""
-        n = q.shape[2]
-        allowed = mask[:, start:]  # (n, n): which new positions each new query sees
-        chain = n - tree
+                        node_keys: Sequence[torch.Tensor], gqa: bool) -> torch.Tensor:
+        """A chain then a token tree, attended so that each scored query computes exactly what a
+        one-token step at its place would: the chain through `exact_attention` (its last query
+        alone), and each node alone over the keys it sees (`node_keys`), gathered in order
+        (context, chain, its ancestors, itself) as one contiguous sequence. In bfloat16 (and
+        with 4-bit products) a tree row then scores what plain decoding scores; attending node
+        by node costs 1.5-2.5x the masked pass at 200-800 positions (int4 SmolLM2; on this AMD
+        EPYC with avx512_bf16 the masked pass rounds some rows differently)."""
+        chain = q.shape[2] - len(node_keys)
         parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
-        for j in range(chain, n):
-            seen = start + allowed[j].nonzero().flatten()
-            idx = torch.cat([torch.arange(start, device=q.device), seen])
-            parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
-                                                        enable_gqa=gqa))
+        parts += [F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
+                                                 enable_gqa=gqa) for j, idx in enumerate(node_keys, chain)]
         return torch.cat(parts, dim=2)
 
     @torch.inference_mode()
@@ -255,16 +236,19 @@ class BatchLlama(LlamaWeights):
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
         if end > self.max_length:
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
-        masks: list[torch.Tensor | None] = [None] * len(slots)
+        layouts: list[_Tree | None] = [None] * len(slots)
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
         for b, parents in enumerate(trees or []):
-            if parents:
-                chain = len(new_ids[b]) - len(parents)
-                where, allowed = tree_layout(starts[b], chain, parents)
+            if parents:  # laid out once for every layer: positions, mask, each node's keys
+                start, chain = starts[b], len(new_ids[b]) - len(parents)
+                where, allowed = tree_layout(start, chain, parents)
                 positions[b, : len(where)] = where.to(device)
-                masks[b] = allowed.to(device)
-        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, mask)
-                for slot, start, ids, scored, mask in zip(slots, starts, new_ids, n_logits, masks, strict=True)]
+                context = torch.arange(start, device=device)
+                node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
+                             for j in range(chain, len(where))] if self.exact_rows else []
+                layouts[b] = _Tree(allowed.to(device), node_keys)
+        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
+                for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
@@ -285,8 +269,6 @@ class BatchLlama(LlamaWeights):
         return self._mm(hidden, self.lm_head).float(), hidden.float()
 
 
-
-
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
 
@@ -298,6 +280,13 @@ class BatchEngine:
                                                         or drafter.lm.slots != target.slots):
             raise ValueError("the drafter must score the target's vocabulary and have as many slots")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        # the prophets one by one (several under first, best or tree), and the draft models'
+        # own slots among them (an early exit drafts in the target's)
+        self.parts: list[Any] = list(drafter.parts) if isinstance(drafter, FirstBatchDrafter | TreeBatchDrafter) \
+            else [drafter] if drafter is not None else []
+        self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchDrafter)}
+        self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchDrafter)
+                                         and p.lm is not target]
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
@@ -307,7 +296,7 @@ class BatchEngine:
         # rows whose K may follow the batch (`_batch_free`), so that a batch of fresh requests
         # (each policy still near its prior) stops paying for drafts that do not pay.
         self._pooled: dict[str, list[float]] = {}
-        self._skip_steps = 0
+        self._costed_steps = 0  # steps that drafted by costs without a tree (POOL_PROBE counts them)
         # The costs a sampled row's policy decides from, the same for every request whatever
         # shares its steps (wiring.engine_for sets the decoder's stored costs; else one row's, measured)
         self.row_costs: Costs | None = None
@@ -354,20 +343,12 @@ class BatchEngine:
         if draft.trees is not None:
             return refused + self._tree_step(active, draft, d0, d1)
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
-        feeds = [r.context[r.target_cached:] + t for r, t in zip(active, draft.tokens, strict=True)]
-        args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [k + 1 for k in lens])
-        hidden = None
-        if self.drafter is not None and self.drafter.reads_features:
-            logits, hidden = self.target.forward_features(*args)  # (B, K+1, V), (B, K+1, D)
-        else:
-            logits = self.target.forward(*args)  # (B, K+1, V)
-        for r, f in zip(active, feeds, strict=True):
-            r.target_cached += len(f)
+        logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
         for b, r in enumerate(active):  # a coupled row: each position one-hot on its keyed draw
             if r.params.coupled is not None:
                 target_probs[b] = couple(target_probs[b], r.params, len(r.context))
-        self.last_spans = ((d0, d1), (d1, time.perf_counter()))
+        share = self._timed(len(active), d0, d1)
         # 4. Ragged verification.
         k_max = max(lens)
         draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens], dtype=torch.long,
@@ -379,16 +360,44 @@ class BatchEngine:
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.drafter.name if self.drafter else None] * len(active)
         events = []
-        # Each row's share of the step's time: the draft's and the target pass's, split evenly.
-        share = ((d1 - d0) / len(active), (self.last_spans[1][1] - d1) / len(active))
         for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
             events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
             events[-1].spans = self.last_spans
-            # The next token came from the head at the last accepted position: its feature
-            # is where a feature prophet starts next step (none if the commit was cut short).
-            r.feature = hidden[b, v.n_accepted] if hidden is not None and len(events[-1].committed) == \
-                v.n_accepted + 1 and not r.done else None
+            self._keep_feature(events[-1], hidden, b, v.n_accepted)
         return refused + events
+
+    def _score(self, active: Sequence[Request], drafts: Sequence[Sequence[int]],
+               trees: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's one target pass: each row's pending tokens then its draft (or its tree's
+        nodes, `trees`: their parents), logits after the last pending token and each drafted
+        one, and the features the head read where a prophet reads them (else None). The
+        rows' target caches then hold all of it (the commit cuts them back)."""
+        feeds = [r.context[r.target_cached:] + list(t) for r, t in zip(active, drafts, strict=True)]
+        args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
+        hidden = None
+        if self.drafter is not None and self.drafter.reads_features:
+            logits, hidden = self.target.forward_features(*args, trees=trees)
+        else:
+            logits = self.target.forward(*args, trees=trees)
+        for r, f in zip(active, feeds, strict=True):
+            r.target_cached += len(f)
+        return logits, hidden
+
+    def _timed(self, rows: int, d0: float, d1: float) -> tuple[float, float]:
+        """Record the step's drafting and target spans (d1 to now); each row's share of both,
+        split evenly (what its policy observes)."""
+        t1 = time.perf_counter()
+        self.last_spans = ((d0, d1), (d1, t1))
+        return (d1 - d0) / rows, (t1 - d1) / rows
+
+    @staticmethod
+    def _keep_feature(e: StepEvent, hidden: torch.Tensor | None, b: int, at: int) -> None:
+        """The next token came from the head at row b's position `at` of the pass (the last
+        accepted token or node): its feature is where a feature prophet starts next step
+        (none if the commit was cut short or the row ended)."""
+        r = e.request
+        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.accepted + 1 and not r.done \
+            else None
 
     def _tree_step(self, active: Sequence[Request], draft: BatchDraft, d0: float, d1: float) -> list[StepEvent]:
         """Steps 3-5 with a token tree per row: one target pass scores each row's pending
@@ -397,27 +406,13 @@ class BatchEngine:
         cache entries move next to the committed ones."""
         assert draft.trees is not None and draft.chains is not None
         trees = draft.trees
-        feeds = [r.context[r.target_cached:] + t.tokens for r, t in zip(active, trees, strict=True)]
-        starts = [r.target_cached for r in active]
-        args = ([_slot(r) for r in active], starts, feeds, [len(t.tokens) + 1 for t in trees])
-        hidden = None
-        if self.drafter is not None and self.drafter.reads_features:  # the features the next drafts start from
-            logits, hidden = self.target.forward_features(*args, trees=[t.parents for t in trees])
-        else:
-            logits = self.target.forward(*args, trees=[t.parents for t in trees])
-        for r, f in zip(active, feeds, strict=True):
-            r.target_cached += len(f)
-        t1 = time.perf_counter()
-        self.last_spans = ((d0, d1), (d1, t1))
-        share = ((d1 - d0) / len(active), (t1 - d1) / len(active))
+        logits, hidden = self._score(active, [t.tokens for t in trees], [t.parents for t in trees])
+        share = self._timed(len(active), d0, d1)
         events = []
         for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
             n, at = len(tree.tokens), len(r.context)  # at: the root's position
             p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
-            depth: list[int] = []
-            for parent in tree.parents:  # a parent comes before its children
-                depth.append(0 if parent < 0 else depth[parent] + 1)
-            p = couple(p, r.params, at, [at] + [at + d + 1 for d in depth])
+            p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions
             verdict = verify_tree(tree, p, r.generator)
             self.target.keep_path(_slot(r), at, verdict.path)
             path = [tree.tokens[node] for node in verdict.path]
@@ -430,9 +425,7 @@ class BatchEngine:
             e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
             e.prophet = "+".join(e.proposals) if n else None
-            # the next token came from the head at the last accepted node (or the chain's end)
-            r.feature = hidden[b, 1 + verdict.path[-1] if verdict.path else 0] if hidden is not None and \
-                len(e.committed) == len(path) + 1 and not r.done else None
+            self._keep_feature(e, hidden, b, 1 + verdict.path[-1] if verdict.path else 0)  # the last accepted node
             events.append(e)
         return events
 
@@ -446,7 +439,10 @@ class BatchEngine:
         if isinstance(self.drafter, TreeBatchDrafter):  # a tree per row, K from the row's policy
             ks = [self._draft_budget(r, TREE) for r in active]
             return self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
-        skip = self._not_paying(active, costs) if costs is not None else set()
+        skip: set[str] = set()
+        if costs is not None:
+            self._costed_steps += 1
+            skip = self._not_paying(active, costs, self._costed_steps)
 
         def budget(r: Request, name: str | None = None) -> int:
             return 0 if name in skip and _batch_free(r) else self._draft_budget(r, name)
@@ -494,11 +490,8 @@ class BatchEngine:
 
     def _draft_calls(self, e: StepEvent) -> int:
         """Forward passes of draft models (or the early exit) a row's draft took: one per token."""
-        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
-            else [self.drafter]
-        models = {p.name for p in parts if isinstance(p, ModelBatchDrafter)}
         proposals = e.proposals if e.proposals is not None else {e.prophet: len(e.drafted)} if e.prophet else {}
-        return sum(n for name, n in proposals.items() if name in models)
+        return sum(n for name, n in proposals.items() if name in self._model_names)
 
     def finish_step(self, e: StepEvent, finish: Finish) -> list[int]:
         """A row's part in the last step, finished (specdec.finish): where a stop string now
@@ -548,12 +541,10 @@ class BatchEngine:
         if req.slot is None:
             return
         self.target.free(req.slot)
-        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
-            else [self.drafter]
-        for part in parts:
-            if isinstance(part, ModelBatchDrafter) and part.lm is not self.target:
-                part.lm.free(req.slot)
-            elif isinstance(part, RowsDrafter):
+        for lm in self.draft_lms:
+            lm.free(req.slot)
+        for part in self.parts:
+            if isinstance(part, RowsDrafter):
                 part.free(req.slot)
         self._free.append(req.slot)
         req.slot = None
@@ -620,18 +611,16 @@ class BatchEngine:
         pooled = self._pooled.get(prophet or "")
         return pooled[1] / pooled[0] if pooled is not None and pooled[0] >= POOL_MIN else None
 
-    def _not_paying(self, active: Sequence[Request], costs: Costs) -> set[str]:
+    def _not_paying(self, active: Sequence[Request], costs: Costs, step_index: int) -> set[str]:
         """Prophets with a drafting cost that no K would pay for at this batch size, at their
         recent acceptance over every row: batch-free rows do not ask them this step (their
-        draft would be cut to nothing after it was paid for). A lookup costs nothing."""
-        self._skip_steps += 1
-        if len(active) == 1 or self.drafter is None or self._skip_steps % POOL_PROBE == 0:
-            return set()  # every POOL_PROBE-th step drafts anyway: the estimate stays fresh
-        parts = self.drafter.parts if isinstance(self.drafter, FirstBatchDrafter | TreeBatchDrafter) \
-            else [self.drafter]
+        draft would be cut to nothing after it was paid for). A lookup costs nothing. Every
+        POOL_PROBE-th step asks them anyway (`step_index`): the estimate stays fresh."""
+        if len(active) == 1 or step_index % POOL_PROBE == 0:
+            return set()
         k_max = max(r.k for r in active)
         out = set()
-        for part in parts:
+        for part in self.parts:
             a = self._pooled_rate(part.name)
             if a is None or not costs.t_draft_by.get(part.name, costs.t_draft) > 0 or k_max < 1:
                 continue

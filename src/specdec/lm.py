@@ -89,15 +89,20 @@ def sync(lm: CausalLM, context: Sequence[int]) -> list[int]:
     return list(context[keep:])
 
 
+def tree_depths(tree_parents: Sequence[int]) -> list[int]:
+    """Each node's depth in a token tree (a root's child: 1); parents come before children."""
+    depth: list[int] = []
+    for par in tree_parents:
+        depth.append(1 if par < 0 else depth[par] + 1)
+    return depth
+
+
 def tree_layout(start: int, n_new: int, tree_parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and attention for scoring a chain of n_new tokens then a token tree after
     `start` cached tokens. A node sits at (chain end + its depth) and sees the cache, the
     chain, itself and its ancestors, never its siblings.
     Returns positions (n_new + N,) int64 and allowed (n_new + N, start + n_new + N) bool."""
-    n_tree = len(tree_parents)
-    depth: list[int] = []
-    for par in tree_parents:  # parents come before children
-        depth.append(1 if par < 0 else depth[par] + 1)
+    n_tree, depth = len(tree_parents), tree_depths(tree_parents)
     positions = torch.tensor(list(range(start, start + n_new)) + [start + n_new - 1 + d for d in depth])
     allowed = torch.zeros(n_new + n_tree, start + n_new + n_tree, dtype=torch.bool)
     allowed[:, : start + n_new] = True

@@ -397,9 +397,9 @@ class TreeBatchDrafter:
             got = part.propose(reqs, part_ks)
             for b, t in enumerate(got.tokens):
                 if t:
-                    deterministic = got.probs is None or bool(got.one_hot and got.one_hot[b])
-                    trees[b].add_chain(t, None if deterministic or got.probs is None else got.probs[b, : len(t)],
-                                       part.name)
+                    one_hot = bool(got.one_hot and got.one_hot[b])  # its q is one-hot on its tokens
+                    q = None if got.probs is None or one_hot else got.probs[b, : len(t)]
+                    trees[b].add_chain(t, q, part.name)
                     chains[b][part.name] = t
         return BatchDraft([[] for _ in reqs], None, trees=trees, chains=chains)
 

@@ -108,7 +108,7 @@ class RowsLM:
               features: bool) -> tuple[torch.Tensor, torch.Tensor]:
         m = max(n_logits)
         logits: list[torch.Tensor] = []
-        hidden: list[torch.Tensor] = []
+        hidden: list[torch.Tensor | None] = []  # per row: the features the head read, where asked for
         for b, (slot, start, ids, n) in enumerate(zip(slots, starts, new_ids, n_logits, strict=True)):
             if start + len(ids) > self.max_length:
                 raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
@@ -133,20 +133,18 @@ class RowsLM:
                 out, h = view.forward_features(list(ids), max(n, 1))
             else:
                 out = view.forward(list(ids), max(n, 1))
-            logits.append(out[:n] if n else out[:0])
-            if h is not None:
-                hidden.append(h[:n] if n else h[:0])
+            logits.append(out[:n])
+            hidden.append(None if h is None else h[:n])
         self.forward_calls += 1
         width = self.vocab_size if head else 0
         out_logits = torch.zeros(len(slots), m, width, device=self.device)
         for b, row in enumerate(logits):
             out_logits[b, : row.shape[0]] = row.float()
-        if not hidden:
-            return out_logits, out_logits[:, :, :0]
-        dim = hidden[0].shape[-1]
-        out_hidden = torch.zeros(len(slots), m, dim, device=self.device)
-        for b, row in enumerate(hidden):
-            out_hidden[b, : row.shape[0]] = row.float()
+        dims = {h.shape[-1] for h in hidden if h is not None}
+        out_hidden = torch.zeros(len(slots), m, dims.pop() if dims else 0, device=self.device)
+        for b, h in enumerate(hidden):
+            if h is not None:
+                out_hidden[b, : h.shape[0]] = h.float()
         return out_logits, out_hidden
 
     def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:

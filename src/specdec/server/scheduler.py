@@ -37,7 +37,6 @@ from specdec.events import RoundEvent
 from specdec.finish import Finish
 from specdec.policy import make_policy
 from specdec.request import Request, StepEvent
-from specdec.rowdrafters import ModelBatchDrafter
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 from specdec.wiring import engine_for
@@ -198,10 +197,7 @@ class Scheduler:
         in the target and a draft model (models scored row by row, `specdec.rows`, count 0)."""
         k = 0 if job.plain else job.draft_tokens or self.default_k
         positions = len(job.ids) + job.max_tokens + k + 1
-        drafter = self.engine.drafter
-        parts = getattr(drafter, "parts", [drafter])  # several prophets: each draft model's cache too
-        models = [self.engine.target, *(p.lm for p in parts if isinstance(p, ModelBatchDrafter)
-                                        and p.lm is not self.engine.target)]
+        models = [self.engine.target, *self.engine.draft_lms]
         return sum(lm.position_bytes() * lm.capacity_for(positions) for lm in models if isinstance(lm, BatchLlama))
 
     def check_fits(self, job: Job) -> None:

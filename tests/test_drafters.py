@@ -11,7 +11,7 @@ from specdec import load
 from specdec.check import certify
 from specdec.costmodel import expected_gain
 from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import NgramDrafter, lookup
+from specdec.drafters.ngram import NgramDrafter, lookup, lookup_reference
 from specdec.drafters.retrieval import WIDTH, Datastore, RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
@@ -28,6 +28,14 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert lookup(ctx, 3, 3, 1) == [9, 2, 5]  # "5 6" last seen before 9 2 5
     assert lookup(np.array([1, 2, 3]), 3, 3, 1) == []
     assert lookup(np.array([4, 4, 4]), 5, 2, 1) == [4]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=80), st.integers(1, 9), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_lookup_is_its_specification(ctx, k, n_min, extra):
+    """The fast lookup (candidate ends first) proposes what comparing every window proposes."""
+    c = np.array(ctx, dtype=np.int64)
+    assert lookup(c, k, n_min + extra, n_min) == lookup_reference(c, k, n_min + extra, n_min)
 
 
 # ---------------------------------------------------------------- retrieval

@@ -17,6 +17,7 @@ of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from specdec.rowdrafters import (
     BatchDraft,
     BatchDrafter,
     FirstBatchDrafter,
+    LookupBatchDrafter,
     ModelBatchDrafter,
     RowsDrafter,
     TreeBatchDrafter,
@@ -637,15 +639,22 @@ class BatchEngine:
             return dict(self._costs)
         for size in sorted({self._bucket(n) for n in range(1, self.target.slots + 1)}):
             if size not in self._costs and len(self._free) >= size:
-                rows = [Request([0] * prompt_len, 1, SamplingParams(0.0), k_max) for _ in range(size)]
-                self._admit(rows)
-                _prefill(self.target, rows, TARGET)
-                try:
-                    self._costs[size] = self._bucket_costs(size, rows, k_max)
-                finally:
-                    for r in rows:
-                        self.release(r)
+                measure = lambda size=size: self.measure(size, k_max, [0] * prompt_len)  # noqa: E731
+                self._costs[size] = self.cost_store(size, k_max, measure) if self.cost_store else measure()
         return dict(self._costs)
+
+    def measure(self, size: int, k_max: int, prompt: Sequence[int], repeats: int = 3) -> Costs:
+        """The step costs of `size` rows of this prompt (`_measure`), measured on placeholder
+        rows in free slots, which are free again afterwards."""
+        with self.lock:
+            rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
+            self._admit(rows)
+            try:
+                _prefill(self.target, rows, TARGET)
+                return self._measure(rows, k_max, repeats)
+            finally:
+                for r in rows:
+                    self.release(r)
 
     def _bucket(self, n_rows: int) -> int:
         """The batch-size bucket whose measured costs a step of n_rows uses: 1, 2, 4, ... (up
@@ -663,15 +672,17 @@ class BatchEngine:
         bucket = self._bucket(len(active))
         if bucket not in self._costs:
             self._costs[bucket] = self._bucket_costs(bucket, active, max(r.k for r in rows))
-        for r in rows:
+        for r in rows:  # each at its own context length (`Costs.at`) and temperature
             if _batch_free(r):
-                r.policy.costs = self._costs[bucket]  # type: ignore[union-attr]
-            elif r.policy.costs is None:  # type: ignore[union-attr]
-                # A seeded sampled row's K must not depend on the batch: costs fixed for the request.
+                base = self._costs[bucket]
+            else:  # a seeded sampled row's K must not depend on the batch: costs fixed for the request
                 if self.row_costs is None:
                     self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
-                r.policy.costs = self.row_costs  # type: ignore[union-attr]
-        return self._costs[bucket]
+                base = self.row_costs
+            r.policy.costs = base.for_params(r.params.greedy).at(len(r.context))  # type: ignore[union-attr]
+        # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
+        return self._costs[bucket].for_params(all(r.params.greedy for r in active)).at(
+            max(len(r.context) for r in active))
 
     def _bucket_costs(self, bucket: int, active: Sequence[Request], k_max: int) -> Costs:
         """A bucket's step costs: from `cost_store` (the decoder's stored costs, measured once
@@ -681,15 +692,91 @@ class BatchEngine:
         return self._measure(active, k_max)
 
     def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 3) -> Costs:
-        slots, starts = [_slot(r) for r in active], [r.target_cached for r in active]
-        room = min(self.target.max_length - s for s in starts)
+        """A step's costs per row at this batch size, measured on these rows with the step's
+        own parts: the target pass over n = 1..1 + width * K tokens per row with its
+        probabilities and the verification, and each prophet's `propose` at K = 1 and K
+        (its fixed cost per call and per drafted token); greedy, and at temperature 1
+        (`Costs.sampled`). Nothing of the rows changes: caches are written by position past
+        their cached lengths, and each row's settings, generator, feature and draft-cache
+        lengths are put back after every call."""
+        greedy = self._measure_at(active, k_max, SamplingParams(0.0), repeats)
+        greedy.sampled = self._measure_at(active, k_max, SamplingParams(1.0), repeats)
+        return greedy
 
-        sizes = [n for n in range(1, k_max + 2) if n <= room]
-        passes = {n: (lambda n=n: self.target.forward(slots, starts, [[0] * n] * len(active), [n] * len(active)))
-                  for n in sizes}
-        t_verify = {n: t / len(active) for n, t in monotone(interleaved_minimums(passes, repeats)).items()}  # per row
-        by_name = self.drafter.draft_costs(active) if self.drafter is not None else {}
-        return Costs(t_verify[1], t_verify, max(by_name.values(), default=0.0), 1, by_name)
+    def _measure_at(self, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
+        slots, starts, n_rows = [_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
+        width = len(self.parts) if isinstance(self.drafter, TreeBatchDrafter) else 1
+        room = min(self.target.max_length - s for s in starts)
+        sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
+        saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state()) for r in rows]
+        features = self.drafter is not None and self.drafter.reads_features
+        who = f"target '{self.target.name}'"
+        fresh: list[torch.Tensor | None] = [None] * n_rows
+
+        def put_back() -> None:  # after every timed call
+            for r, (_, feature, cached, state), f in zip(rows, saved, fresh, strict=True):
+                r.feature, r.draft_cached = f if f is not None else feature, dict(cached)
+                r.generator.set_state(state)
+
+        def score(n: int) -> None:  # a step's pass, probabilities and verification for n tokens per row
+            args = (slots, starts, [[0] * n] * n_rows, [n] * n_rows)
+            logits = self.target.forward_features(*args)[0] if features else self.target.forward(*args)
+            drafts = torch.zeros(n_rows, n - 1, dtype=torch.long, device=logits.device)
+            q = None if params.greedy else torch.full((n_rows, n - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
+                                                      device=logits.device)
+            one_hot = torch.tensor([params.greedy] * n_rows, device=logits.device)
+            verify_rows(drafts, [n - 1] * n_rows, q, one_hot, _probs_by_params(logits, rows, who),
+                        [r.generator for r in rows])
+
+        def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
+            part.propose(rows, [k] * n_rows)
+            if not isinstance(part, LookupBatchDrafter):
+                score(1 + width * k)
+
+        try:
+            for r in rows:
+                r.params = params
+            if features:  # a feature prophet drafts from the target's feature at the row's last position
+                hidden = self.target.forward_features(slots, starts, [[0]] * n_rows, [1] * n_rows)[1]
+                fresh = [hidden[b, 0] for b in range(n_rows)]
+            put_back()
+            # Each prophet's round is timed as it runs, its drafting right after a target pass
+            # (whose weights push the prophet's out of the processor's caches): alone, back
+            # to back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds.
+            timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
+            ks: dict[str, list[int]] = {}
+            for part in self.parts:
+                k = max(0, min(k_max, (room - 1) // width, *(part.room(r) for r in rows)))
+                if isinstance(part, RowsDrafter) or k < 1:
+                    continue
+                ks[part.name] = sorted({1, k})
+                for j in ks[part.name]:
+                    timed[part.name, j] = functools.partial(round_of, part, j)
+            t = {key: dt / n_rows for key, dt in interleaved_minimums(timed, repeats, put_back).items()}
+            t_verify = monotone({n: t[n] for n in sizes})
+            per_token: dict[str, float] = {}
+            per_call: dict[str, float] = {}
+            for part in self.parts:
+                if isinstance(part, RowsDrafter):  # a prophet of its own: its measured cost per token
+                    per_token[part.name] = part.draft_costs(rows)[part.name]
+                    continue
+                if part.name not in ks:
+                    per_token[part.name] = 0.0
+                    continue
+                alone = isinstance(part, LookupBatchDrafter)
+                drafting = {j: max(0.0, t[part.name, j] - (0.0 if alone else t[1 + width * j])) for j in ks[part.name]}
+                k = max(drafting)
+                per_token[part.name] = (drafting[k] - drafting[1]) / (k - 1) if k > 1 else drafting[1]
+                per_token[part.name] = max(0.0, per_token[part.name])
+                per_call[part.name] = max(0.0, drafting[1] - per_token[part.name])
+        finally:
+            for r, (p, *_), in zip(rows, saved, strict=True):
+                r.params = p
+            fresh = [None] * n_rows
+            put_back()
+        t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
+        return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
+                     context=max(len(r.context) for r in rows))
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
                 prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),

@@ -36,8 +36,8 @@ def median_seconds(fn: Callable[[], object], repeats: int, after: Callable[[], o
     return statistics.median(times)
 
 
-def interleaved_minimums(fns: Mapping[int, Callable[..., object]], repeats: int,
-                         after: Callable[[], object] = lambda: None) -> dict[int, float]:
+def interleaved_minimums(fns: Mapping[Any, Callable[..., object]], repeats: int,
+                         after: Callable[[], object] = lambda: None) -> dict[Any, float]:
     """The fastest of `repeats` timed calls of each function, the functions taken in turn
     (after one warm-up call each), `after` run outside the timing after every call. On a
     shared machine noise only ever adds time, so the minimum is the estimate of what a call
@@ -80,10 +80,16 @@ def expected_gain(a: float, k: float, c: float, v: float = 1.0) -> float:
 
 @dataclass
 class Costs:
-    """Measured once per decoder (SpeculativeDecoder.calibrate), in seconds: a plain target
-    step, scoring n tokens in one target pass (a few n from 1 up; v(K) = t_verify(K+1) /
-    t_plain), one drafting step of a round (all its prophets together), and how many drafts
-    a round scores side by side (width: a tree of several prophets' chains).
+    """Measured once per decoder and machine (SpeculativeDecoder.calibrate, through the one
+    loop's own passes: `BatchEngine.measure`), in seconds: a plain step (the target's pass
+    over one token, its probabilities and the verification), the same scoring n tokens (a
+    few n from 1 up; v(K) = t_verify(K+1) / t_plain), one drafting step of a round (all its
+    prophets together), what a drafting call costs once per round on top of its steps
+    (`t_call_by`: an eagle's K=1 round is not one tenth of its K=8 round), and how many
+    drafts a round scores side by side (width: a tree of several prophets' chains).
+    `sampled`: the same measured at temperature 1, where the target's probabilities, the
+    prophet's q and the rejection test all cost more than a greedy step's argmax (on
+    SmolLM2 int4 here a sampled eagle round of K=1 cost 1.4 plain steps; greedy 1.1).
 
     On a CPU the verification cost is far from linear in n: for SmolLM2 in float32 here,
     scoring 2-3 tokens costs 1.04-1.10 plain steps and 5 tokens 1.6, so the best K depends
@@ -94,6 +100,10 @@ class Costs:
     t_draft: float
     width: int = 1
     t_draft_by: dict[str, float] = field(default_factory=dict)  # one prophet's drafting step, by name
+    t_call_by: dict[str, float] = field(default_factory=dict)  # its fixed cost per round, by name
+    sampled: Costs | None = None  # the same, measured at temperature 1
+    context: int = 0  # the context length these were measured at (0: unknown)
+    long: Costs | None = None  # the same, measured at a long context (attention then weighs more)
 
     def __post_init__(self) -> None:
         if not self.t_verify or min(self.t_verify) < 1:
@@ -101,12 +111,48 @@ class Costs:
 
     def to_dict(self) -> dict[str, object]:
         return {"t_plain": self.t_plain, "t_verify": {str(n): t for n, t in self.t_verify.items()},
-                "t_draft": self.t_draft, "width": self.width, "t_draft_by": dict(self.t_draft_by)}
+                "t_draft": self.t_draft, "width": self.width, "t_draft_by": dict(self.t_draft_by),
+                "t_call_by": dict(self.t_call_by),
+                "sampled": self.sampled.to_dict() if self.sampled is not None else None,
+                "context": self.context, "long": self.long.to_dict() if self.long is not None else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         return cls(float(d["t_plain"]), {int(n): float(t) for n, t in d["t_verify"].items()}, float(d["t_draft"]),
-                   int(d["width"]), {str(k): float(v) for k, v in d["t_draft_by"].items()})
+                   int(d["width"]), {str(k): float(v) for k, v in d["t_draft_by"].items()},
+                   {str(k): float(v) for k, v in d.get("t_call_by", {}).items()},
+                   cls.from_dict(d["sampled"]) if d.get("sampled") else None, int(d.get("context", 0)),
+                   cls.from_dict(d["long"]) if d.get("long") else None)
+
+    def for_params(self, greedy: bool) -> Costs:
+        """The costs of greedy steps, or of sampled ones (`sampled`, where measured: it
+        holds its own `long`)."""
+        return self if greedy or self.sampled is None else self.sampled
+
+    def at(self, n_context: int) -> Costs:
+        """The costs at a context of n tokens: between the short and the long measurement
+        linearly (in buckets of 64 tokens, so a request's choices depend on its length only),
+        the nearer one outside them. On SmolLM2 int4 here scoring 4 tokens cost 1.35 plain
+        steps at a context of 64 and 1.64 at 1,024."""
+        long = self.long
+        if long is None or n_context <= self.context or long.context <= self.context:
+            return self
+        if n_context >= long.context:
+            return long
+        bucket = min(long.context, self.context + -(-(n_context - self.context) // 64) * 64)
+        cache = self.__dict__.setdefault("_at", {})
+        if bucket not in cache:
+            w = (bucket - self.context) / (long.context - self.context)
+
+            def mix(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
+                return {key: (1 - w) * a[key] + w * b.get(key, a[key]) for key in a}
+
+            verify = monotone(mix(self.t_verify, long.t_verify))
+            cache[bucket] = Costs((1 - w) * self.t_plain + w * long.t_plain, verify,
+                                  (1 - w) * self.t_draft + w * long.t_draft, self.width,
+                                  mix(self.t_draft_by, long.t_draft_by), mix(self.t_call_by, long.t_call_by),
+                                  None, bucket)
+        return cache[bucket]
 
     def verify_time(self, n: int) -> float:
         """Seconds to score n tokens: linear between the measured sizes, and past the
@@ -123,10 +169,14 @@ class Costs:
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
     def round_time(self, k: int, prophet: str | None = None) -> float:
-        """A round of k drafts: k drafting steps (of `prophet` when its own cost is known),
+        """A round of k drafts: k drafting steps and the call's fixed cost (of `prophet` when
+        its own costs are known, else of every prophet in a tree, the costliest otherwise),
         then one pass over the 1 + width * k tokens."""
         t_draft = self.t_draft_by.get(prophet, self.t_draft) if prophet else self.t_draft
-        return k * t_draft + self.verify_time(1 + self.width * k)
+        calls = self.t_call_by.values()
+        t_call = self.t_call_by[prophet] if prophet in self.t_call_by else \
+            sum(calls) if self.width > 1 else max(calls, default=0.0)
+        return (k * t_draft + t_call if k else 0.0) + self.verify_time(1 + self.width * k)
 
     def speedup(self, tokens: float, k: int, prophet: str | None = None) -> float:
         """Speedup over plain decoding of rounds of k drafts that yield `tokens` on average."""

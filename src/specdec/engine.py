@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specdec.batch import BatchEngine
-from specdec.costmodel import Costs, interleaved_minimums, monotone
+from specdec.costmodel import Costs
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.drafters.base import Drafter
 from specdec.errors import ContextLengthError
@@ -193,8 +193,10 @@ class SpeculativeDecoder:
         if pol is self.policy:
             pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
         k = (draft_tokens or self.policy.k0) if self.drafters else 0
-        req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
-                      allowed, sampling)
+        params = SamplingParams(temperature, top_k, top_p)
+        if pol.costs is not None:  # a greedy request decides K from greedy steps' costs, a sampled one from sampled
+            pol.costs = pol.costs.for_params(params.greedy)
+        req = Request(ids, max_new_tokens, params, k, seed, pol if k else None, allowed, sampling)
         return req, Finish(self.tokenizer, stops)
 
     # ----------------------------------------------------------------- a request
@@ -298,7 +300,7 @@ class SpeculativeDecoder:
         from specdec.defaults import cpu_model
 
         model = getattr(self.target, "model", None)
-        return {"version": 2, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 3, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
@@ -342,46 +344,31 @@ class SpeculativeDecoder:
             pass  # a read-only cache: this decoder still decides from its own measurement
         return costs
 
-    def calibrate(self, n_context: int = 64, repeats: int = 5) -> Costs:
-        """Time, once, a plain target step, target passes scoring n = 2.. tokens (up to a
-        round of the policy's largest K) and a drafting step of each prophet, on a neutral
-        context; the auto policy chooses K from these costs. Each figure is the fastest of
-        `repeats` calls taken in turn, and the verification curve never falls with n."""
-        k = self.policy.k0
-        width = len(self.drafters) if self.multi == "tree" else 1  # a tree scores every prophet's chain
-        n_max = 1 + width * k
-        n = max(2, min(n_context, self.target.max_length - n_max - k - 2))
-        ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]
-        greedy, gen = SamplingParams(0.0), torch.Generator(device=self.target.device).manual_seed(0)
-        self.target.truncate(0)
-        for d in self.drafters:
-            d.reset()
-        self.target.forward(ctx, 1)  # prefill, and a warm-up
+    def calibrate(self, n_context: int = 64, repeats: int = 7, long_context: int = 1024) -> Costs:
+        """Time, once, what a round of this decoder's requests costs on the one loop
+        (`BatchEngine.measure`, one placeholder row of `n_context` tokens, and again of
+        `long_context` tokens where the target's context allows: `Costs.at` weighs the two
+        by a request's length): a plain step, steps scoring n = 2.. tokens (up to a round of
+        the policy's largest K) and each prophet's drafting, greedy and at temperature 1;
+        the auto policy chooses K from these costs. Each figure is the fastest of `repeats`
+        calls taken in turn, and the verification curve never falls with n."""
+        from specdec.wiring import engine_for
 
-        sizes = sorted({size for size in (*range(1, min(n_max, 9) + 1), (9 + n_max) // 2, n_max) if size <= n_max})
-        passes = {size: (lambda size=size: self.target.forward([ctx[-1]] * size, size)) for size in sizes}
-        t_verify = monotone(interleaved_minimums(passes, repeats, after=lambda: self.target.truncate(n)))
-        step_times = []
-        for d in self.drafters:
-            if d.reads_features:
-                _, hidden = self.target.forward_features([ctx[-1]], 1)
-                self.target.truncate(n)
-                d.see_feature(n - 1, hidden[0])
-            d.propose(ctx + [ctx[-1]], k, greedy, gen)  # warm-up (and a model drafter's prefill)
-            times = []
-            for _ in range(repeats):
-                if d.reads_features:
-                    d.see_feature(n - 1, hidden[0])
-                t0 = time.perf_counter()
-                d.propose(ctx + [ctx[-1]], k, greedy, gen)
-                times.append(time.perf_counter() - t0)
-            step_times.append(min(times) / k)
-        self.target.truncate(0)
-        for d in self.drafters:
-            d.reset()
-        t_draft = sum(step_times) if width > 1 else max(step_times, default=0.0)
-        by_name = {d.name: t for d, t in zip(self.drafters, step_times, strict=True)}
-        return Costs(t_verify[1], t_verify, t_draft, width, by_name if width == 1 else {})
+        engine = engine_for(self, ONE_LOOP_SLOTS, costs=False)
+        k = self.policy.k0
+        room = self.target.max_length - 2 * (1 + len(self.drafters) * k)
+
+        def at(n: int) -> Costs:
+            ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]
+            return engine.measure(1, k, ctx, repeats)
+
+        short = at(max(2, min(n_context, room)))
+        if min(long_context, room) >= 2 * short.context:
+            long = at(min(long_context, room))
+            short.long = long
+            if short.sampled is not None:
+                short.sampled.long = long.sampled
+        return short
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

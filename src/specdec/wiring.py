@@ -375,9 +375,25 @@ __all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eo
            "short_name", "wrap"]
 
 
-def engine_for(decoder: Any, slots: int) -> Any:
+def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     """The BatchEngine of `slots` rows over a SpeculativeDecoder's own weights and prophets
-    (cached on it): the one round loop its requests run on, alone or many at once."""
+    (cached on it): the one round loop its requests run on, alone or many at once. costs:
+    hand it the decoder's stored step costs (measured on this engine the first time:
+    `SpeculativeDecoder.calibrate`)."""
+    cache: dict[int, Any] = decoder.__dict__.setdefault("_batch_engines", {})
+    if slots not in cache:
+        cache[slots] = _new_engine(decoder, slots)
+    engine = cache[slots]
+    if costs and engine.drafter is not None and decoder.policy.needs_costs and engine.row_costs is None:
+        # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
+        # tokens alone, in any batch, and in another process on this machine
+        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
+        engine.row_costs = decoder._costs
+        engine.cost_store = decoder.stored_batch_costs
+    return engine
+
+
+def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine, BatchLlama
     from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.layerskip import LayerSkipDrafter
@@ -397,9 +413,6 @@ def engine_for(decoder: Any, slots: int) -> Any:
     )
     from specdec.rows import BatchLM, RowsLM
 
-    cache: dict[int, BatchEngine] = decoder.__dict__.setdefault("_batch_engines", {})
-    if slots in cache:
-        return cache[slots]
     lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
     # a plain Llama on the lean path scores its rows in one batched pass; any other model
     # (transformers, a toy) row by row through views of its own (specdec.rows)
@@ -425,12 +438,4 @@ def engine_for(decoder: Any, slots: int) -> Any:
         drafter = TreeBatchDrafter(parts)  # type: ignore[arg-type]
     elif len(parts) > 1:
         drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
-    engine = BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
-    if drafter is not None and decoder.policy.needs_costs:
-        # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
-        # tokens alone, in any batch, and in another process on this machine
-        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
-        engine.row_costs = decoder._costs
-        engine.cost_store = decoder.stored_batch_costs
-    cache[slots] = engine
-    return engine
+    return BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)

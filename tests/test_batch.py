@@ -745,3 +745,30 @@ def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, r
         assert [ks[:2] for ks in asked] == [[0, 0]] and drafted[0] == drafted[1] == 0 and drafted[2] > 0
     else:
         assert asked[0][:2] == [3, 3] and all(d > 0 for d in drafted)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram+eagle"])
+def test_measuring_costs_on_running_rows_changes_nothing_they_do(drafter):
+    """A bucket's costs are measured on the rows of its first step (each prophet's propose,
+    the pass, probabilities and verification, greedy and at T=1): every row's settings,
+    generator, feature and cache lengths come back as they were, so its tokens are those
+    of the same request on an engine that never measured."""
+    runs = []
+    for measure in (False, True):
+        engine, _ = toy_engine(drafter)
+        reqs = [Request(PROMPT, 24, SamplingParams(0.8), 3, seed=s) for s in (1, 2)]
+        for _ in range(2):
+            engine.step(reqs)
+        if measure:
+            before = [(r.params, r.generator.get_state().clone(), r.feature, dict(r.draft_cached), r.target_cached)
+                      for r in reqs]
+            costs = engine._measure(reqs, 3)
+            assert costs.sampled is not None and costs.context == max(len(r.context) for r in reqs)
+            for r, (params, state, feature, cached, target_cached) in zip(reqs, before, strict=True):
+                assert r.params == params and torch.equal(r.generator.get_state(), state)
+                assert (r.feature is None) == (feature is None) and (feature is None or r.feature is feature)
+                assert r.draft_cached == cached and r.target_cached == target_cached
+        while not all(r.done for r in reqs):
+            engine.step(reqs)
+        runs.append([r.generated for r in reqs])
+    assert runs[0] == runs[1]

@@ -187,3 +187,29 @@ def test_step_costs_are_the_fastest_of_interleaved_repeats_and_the_verify_curve_
     assert calls == [1, "after", 2, "after"] * 4  # taken in turn, `after` after every call
     assert best == pytest.approx({1: 0.2, 2: 0.3})
     assert monotone({1: 1.0, 2: 1.8, 3: 1.4, 5: 1.3, 6: 2.0}) == {1: 1.0, 2: 1.8, 3: 1.8, 5: 1.8, 6: 2.0}
+
+
+def test_costs_at_a_context_weigh_the_short_and_long_measurements_and_round_trip():
+    """Costs.at: the short measurement up to its context, the long one past its own, linear
+    between (in buckets of 64 tokens), the verification curve still rising; for_params picks
+    the sampled measurement, which keeps its own long one; to_dict/from_dict keep all four."""
+    short = Costs(1.0, {1: 1.0, 2: 1.1, 3: 1.2}, 0.1, t_draft_by={"e": 0.1}, t_call_by={"e": 0.2}, context=64)
+    long = Costs(2.0, {1: 2.0, 2: 2.6, 3: 3.0}, 0.3, t_draft_by={"e": 0.3}, t_call_by={"e": 0.4}, context=1088)
+    short.long = long
+    short.sampled = Costs(1.5, {1: 1.5, 2: 1.8, 3: 2.0}, 0.2, context=64,
+                          long=Costs(2.5, {1: 2.5, 2: 3.5, 3: 4.0}, 0.4, context=1088))
+    assert short.at(10) is short and short.at(64) is short and short.at(5000) is long
+    mid = short.at(576)  # halfway
+    assert mid is short.at(540)  # same bucket, same object: a request's choices depend on its length only
+    assert mid.t_plain == pytest.approx(1.5) and mid.t_verify[2] == pytest.approx(1.85)
+    assert mid.t_draft_by["e"] == pytest.approx(0.2) and mid.t_call_by["e"] == pytest.approx(0.3)
+    assert list(mid.t_verify.values()) == sorted(mid.t_verify.values())
+    sampled = short.for_params(greedy=False)
+    assert sampled is short.sampled and short.for_params(greedy=True) is short
+    assert sampled.at(5000).t_plain == 2.5
+    again = Costs.from_dict(short.to_dict())
+    assert again == short and again.sampled == short.sampled and again.long == long
+    assert again.sampled is not None and again.sampled.long == short.sampled.long
+    # a drafting call's fixed cost is paid once per round, not per token, and not by a plain step
+    assert short.round_time(0, "e") == short.verify_time(1)
+    assert short.round_time(2, "e") == pytest.approx(2 * 0.1 + 0.2 + short.verify_time(3))

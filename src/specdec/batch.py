@@ -1,7 +1,7 @@
 """Batched speculative decoding: many requests in one step, each accepting its own number
 of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
 
-- `BatchLlama`: the lean Llama path of `specdec.fastllama` with B cache slots. One forward
+- `BatchLlama` (`specdec.fastllama`): the one Llama path, with B cache slots. One forward
   scores a ragged batch (row b feeds n_b new tokens after start_b cached ones; rows are
   padded to the longest and masked). Keys and values are written by position, so entries
   of rejected drafts are simply overwritten by the next step: a row's cache length is its
@@ -22,10 +22,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specdec.costmodel import (
     Costs,
@@ -36,9 +35,9 @@ from specdec.costmodel import (
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import LlamaWeights, exact_attention, grown_capacity
+from specdec.fastllama import BatchLlama, trim_heap
 from specdec.finish import Finish
-from specdec.lm import common_prefix, tree_depths, tree_layout
+from specdec.lm import common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.ragged import verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot
@@ -57,219 +56,6 @@ from specdec.rowdrafters import (
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, couple, logits_to_probs
 from specdec.verify import verify_tree
-
-
-class _Tree(NamedTuple):
-    """A row's token tree in one pass: its mask (`tree_layout`'s) and, where scored rows must
-    attend as one-token steps (`exact_rows`), the key positions each node sees, in order."""
-
-    mask: torch.Tensor
-    node_keys: list[torch.Tensor]
-
-
-TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing
-    elsewhere). After a long request the allocator would otherwise keep its pages."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: Any = None
-
-
-class BatchLlama(LlamaWeights):
-    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache per slot.
-
-    Each slot's cache is its own buffer (L, Hkv, T_s, hd), grown by doubling as its request
-    grows and freed when the request leaves (`free`): one long request costs the memory of
-    its own positions, never every slot's, and memory comes back when it ends. Each row
-    attends over its own buffer through `exact_attention` (the one-request path's), so a
-    row's scores never depend on the rows beside it."""
-
-    INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
-
-    def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32) -> None:
-        """int8: a compressed copy to draft with (see `LlamaWeights`)."""
-        super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
-        self.slots = slots
-        self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
-        self.v_slots: list[torch.Tensor | None] = [None] * slots
-        self.forward_calls = 0
-        # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
-        # scores exactly what the same request alone (or plain decoding) would.
-        self.exact_rows = self.bucket_rows
-        # Leading (prompt) queries attend in chunks of this many positions, aligned to it
-        self.attention_chunk = PREFILL_CHUNK
-
-    def position_bytes(self) -> int:
-        """Bytes of keys and values one position of one slot holds (all layers)."""
-        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
-
-    def capacity_for(self, positions: int) -> int:
-        """Positions a slot's buffer holds once its request reaches `positions`: doubling from
-        the initial capacity, at most the context (what the server's admission reserves)."""
-        return grown_capacity(positions, self.INITIAL_CAPACITY, self.max_length)
-
-    def kv_bytes(self) -> int:
-        """Bytes the slots' caches hold now."""
-        return sum(self.position_bytes() * k.shape[2] for k in self.k_slots if k is not None)
-
-    def free(self, slot: int) -> None:
-        """Return a slot's cache memory (its request has left), to the system too when it was
-        large: the C allocator keeps freed heap memory for reuse unless asked to trim it."""
-        k = self.k_slots[slot]
-        self.k_slots[slot] = self.v_slots[slot] = None
-        if k is not None and k.device.type == "cpu" and 2 * k.numel() * k.element_size() >= TRIM_BYTES:
-            trim_heap()
-
-    def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
-        k_old, v_old = self.k_slots[slot], self.v_slots[slot]
-        capacity = 0 if k_old is None else k_old.shape[2]
-        if k_old is not None and v_old is not None and end <= capacity:
-            return k_old, v_old
-        size = self.capacity_for(end)
-        shape = (len(self.layers), self.n_kv, size, self.head_dim)
-        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
-        v = torch.zeros_like(k)
-        if k_old is not None and v_old is not None:
-            k[:, :, :capacity], v[:, :, :capacity] = k_old, v_old
-        self.k_slots[slot], self.v_slots[slot] = k, v
-        return k, v
-
-    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
-                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
-        """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
-        tokens, scored tokens, token tree or None). Each row writes its new keys/values by
-        position into its own slot (entries past its committed length are stale, overwritten
-        later) and attends over them alone: causally, or (a token tree) as its mask allows."""
-        n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
-        w = self.layers[i]
-        q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
-        q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
-        k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
-        v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
-        gqa = self.n_kv != self.n_heads
-        # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
-        # by itself) has no padding: its attention is the output, nothing to fill or copy.
-        out = torch.zeros_like(q) if n_rows > 1 else None
-        for b, (keys, values, start, n_new, scored, tree) in enumerate(rows):
-            keys[i, :, start : start + n_new] = k[b, :, :n_new]
-            values[i, :, start : start + n_new] = v[b, :, :n_new]
-            if tree is not None and self.exact_rows:  # each scored query as a one-token step attends
-                one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start,
-                                           tree.node_keys, gqa)
-            elif tree is not None:  # a token tree: each node sees the context, the chain and its ancestors
-                end = start + n_new
-                one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end],
-                                                     values[i][None, :, :end], attn_mask=tree.mask, enable_gqa=gqa)
-            else:
-                solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
-                one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
-                                      self.attention_chunk)
-            if out is None:
-                out = one
-            else:
-                out[b : b + 1, :, :n_new] = one
-        assert out is not None
-        return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
-
-    def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                        node_keys: Sequence[torch.Tensor], gqa: bool) -> torch.Tensor:
-        """A chain then a token tree, attended so that each scored query computes exactly what a
-        one-token step at its place would: the chain through `exact_attention` (its last query
-        alone), and each node alone over the keys it sees (`node_keys`), gathered in order
-        (context, chain, its ancestors, itself) as one contiguous sequence. In bfloat16 (and
-        with 4-bit products) a tree row then scores what plain decoding scores; attending node
-        by node costs 1.5-2.5x the masked pass at 200-800 positions (int4 SmolLM2; on this AMD
-        EPYC with avx512_bf16 the masked pass rounds some rows differently)."""
-        chain = q.shape[2] - len(node_keys)
-        parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
-        parts += [F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
-                                                 enable_gqa=gqa) for j, idx in enumerate(node_keys, chain)]
-        return torch.cat(parts, dim=2)
-
-    @torch.inference_mode()
-    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
-        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V). trees: per row,
-        None, or the parents of a token tree (see `specdec.verify.DraftTree`) whose nodes are
-        the row's last len(parents) new ids: each node sits at (chain end + its depth) and
-        sees only its ancestors (`keep_path` then keeps the accepted ones)."""
-        return self.forward_features(slots, starts, new_ids, n_logits, trees=trees)[0]
-
-    @torch.inference_mode()
-    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
-        """After a tree pass whose nodes sat from position `base` on: move the accepted path's
-        entries (node indices, root to leaf) to base, base + 1, ...; the rest are stale. Their
-        keys carry the right rotary positions (chain end + depth) already."""
-        k, v = self.k_slots[slot], self.v_slots[slot]
-        if not path or k is None or v is None or list(path) == list(range(len(path))):
-            return
-        src = torch.tensor([base + node for node in path], dtype=torch.long, device=k.device)
-        k[:, :, base : base + len(path)] = k[:, :, src]
-        v[:, :, base : base + len(path)] = v[:, :, src]
-
-    @torch.inference_mode()
-    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
-                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `forward`, also returning the hidden states the head read (B, max(n_logits), D),
-        after the final norm: the features that feature prophets draft from. layers: only the
-        first ones (early exit: the entries they write for these positions are provisional);
-        head=False: no logits (an empty (B, m, 0) tensor), the features only."""
-        device = self.embed.device
-        lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
-        n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
-        if end > self.max_length:
-            raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
-        layouts: list[_Tree | None] = [None] * len(slots)
-        positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
-        for b, parents in enumerate(trees or []):
-            if parents:  # laid out once for every layer: positions, mask, each node's keys
-                start, chain = starts[b], len(new_ids[b]) - len(parents)
-                where, allowed = tree_layout(start, chain, parents)
-                positions[b, : len(where)] = where.to(device)
-                context = torch.arange(start, device=device)
-                node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
-                             for j in range(chain, len(where))] if self.exact_rows else []
-                layouts[b] = _Tree(allowed.to(device), node_keys)
-        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
-                for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
-        ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
-        positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
-        x = self.embed[ids]  # (B, n, D)
-        for i, w in enumerate(self.layers[:layers]):
-            x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
-            x = x + self._mlp(x, w)
-        self.forward_calls += 1
-        m = max(n_logits)
-        if m == 0:
-            return torch.zeros(len(slots), 0, self.vocab_size, device=device), x[:, :0]
-        first = lens - torch.tensor(list(n_logits), device=device)  # (B,) first new token with logits
-        pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
-        pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
-        x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
-        hidden = self._norm(x, self.final_norm)
-        if not head:
-            return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float()
-        return self._mm(hidden, self.lm_head).float(), hidden.float()
-
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th

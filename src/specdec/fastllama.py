@@ -1,23 +1,24 @@
-"""A lean decode path for Llama-family models: a one-sequence view (`FastLlamaLM`: what a
-decoder holds as its target and draft models, calibrates on and trains with; the one loop
-reads its weights), and the weights, products and attention that the one loop's batched
-model (`specdec.batch.BatchLlama`) shares (`LlamaWeights`, `exact_attention`).
+"""The one decode path for Llama-family models: `BatchLlama`, B cache slots scored in one
+ragged pass (the one loop's target and draft models), and `FastLlamaLM`, one sequence as
+a `CausalLM` on slot 0 of a one-slot `BatchLlama` (what a decoder holds as its target and
+draft models, and what training reads features through), with the weights, products and
+attention they share (`LlamaWeights`, `exact_attention`).
 
 A 2-layer drafter spends most of a Hugging Face forward call in Python (module calls,
 mask construction, cache bookkeeping), not in arithmetic, and that overhead is the
 draft cost c that speculative decoding pays K times a round. This path runs the same
 weights (read from the loaded Hugging Face model, nothing converted on disk) with fused
-QKV and gate/up projections and a preallocated KV buffer written by position, so a
-rollback is only a length change (as in gpt-fast). Its logits match the Hugging Face
-model's to float tolerance (tested); exactness of speculative decoding never depends on
-it, since the verifier uses whatever q the drafter actually sampled from.
+QKV and gate/up projections and KV buffers written by position, so a rollback is only a
+length change (as in gpt-fast). Its logits match the Hugging Face model's to float
+tolerance (tested); exactness of speculative decoding never depends on it, since the
+verifier uses whatever q the drafter actually sampled from.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +142,7 @@ def grown_capacity(positions: int, initial: int, max_length: int) -> int:
     """The size of a KV buffer that must hold `positions`: the initial capacity, doubled as
     often as needed, at most the context. Every lean cache grows so."""
     size = min(initial, max_length)
-    while size < positions:
+    while size < min(positions, max_length):
         size = min(max_length, 2 * size)
     return size
 
@@ -332,162 +333,323 @@ class LlamaWeights:
         return x * cos + rotated * sin
 
 
-class FastLlamaLM(LlamaWeights):
-    INITIAL_CAPACITY = 256  # KV positions allocated up front
+class _Tree(NamedTuple):
+    """A row's token tree in one pass: its mask (`tree_layout`'s) and, where scored rows must
+    attend as one-token steps (`exact_rows`), the key positions each node sees, in order."""
+
+    mask: torch.Tensor
+    node_keys: list[torch.Tensor]
+
+
+TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing
+    elsewhere). After a long request the allocator would otherwise keep its pages."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
+class BatchLlama(LlamaWeights):
+    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache per slot.
+
+    Each slot's cache is its own buffer (L, Hkv, T_s, hd), grown by doubling as its request
+    grows and freed when the request leaves (`free`): one long request costs the memory of
+    its own positions, never every slot's, and memory comes back when it ends. Each row
+    attends over its own buffer through `exact_attention` (the one-request path's), so a
+    row's scores never depend on the rows beside it."""
+
+    INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
+
+    def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None, int8: bool = False,
+                 act_dtype: torch.dtype = torch.float32) -> None:
+        """int8: a compressed copy to draft with (see `LlamaWeights`)."""
+        super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
+        self.slots = slots
+        self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
+        self.v_slots: list[torch.Tensor | None] = [None] * slots
+        self.forward_calls = 0
+        # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
+        # scores exactly what the same request alone (or plain decoding) would.
+        self.exact_rows = self.bucket_rows
+        # Leading (prompt) queries attend in chunks of this many positions, aligned to it
+        self.attention_chunk = PREFILL_CHUNK
+
+    def view(self, slots: int) -> BatchLlama:
+        """Another model of `slots` slots over the same (fused, possibly quantized) weights,
+        its caches empty: nothing is read, fused or quantized again."""
+        other = copy.copy(self)
+        other.slots, other.forward_calls = slots, 0
+        other.k_slots, other.v_slots = [None] * slots, [None] * slots
+        return other
+
+    def position_bytes(self) -> int:
+        """Bytes of keys and values one position of one slot holds (all layers)."""
+        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
+
+    def capacity_for(self, positions: int) -> int:
+        """Positions a slot's buffer holds once its request reaches `positions`: doubling from
+        the initial capacity, at most the context (what the server's admission reserves)."""
+        return grown_capacity(positions, self.INITIAL_CAPACITY, self.max_length)
+
+    def kv_bytes(self) -> int:
+        """Bytes the slots' caches hold now."""
+        return sum(self.position_bytes() * k.shape[2] for k in self.k_slots if k is not None)
+
+    def free(self, slot: int) -> None:
+        """Return a slot's cache memory (its request has left), to the system too when it was
+        large: the C allocator keeps freed heap memory for reuse unless asked to trim it."""
+        k = self.k_slots[slot]
+        self.k_slots[slot] = self.v_slots[slot] = None
+        if k is not None and k.device.type == "cpu" and 2 * k.numel() * k.element_size() >= TRIM_BYTES:
+            trim_heap()
+
+    def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
+        k_old, v_old = self.k_slots[slot], self.v_slots[slot]
+        capacity = 0 if k_old is None else k_old.shape[2]
+        if k_old is not None and v_old is not None and end <= capacity:
+            return k_old, v_old
+        size = self.capacity_for(end)
+        shape = (len(self.layers), self.n_kv, size, self.head_dim)
+        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
+        v = torch.zeros_like(k)
+        if k_old is not None and v_old is not None:
+            k[:, :, :capacity], v[:, :, :capacity] = k_old, v_old
+        self.k_slots[slot], self.v_slots[slot] = k, v
+        return k, v
+
+    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
+                   rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
+        """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
+        tokens, scored tokens, token tree or None). Each row writes its new keys/values by
+        position into its own slot (entries past its committed length are stale, overwritten
+        later) and attends over them alone: causally, or (a token tree) as its mask allows."""
+        n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
+        w = self.layers[i]
+        q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
+        q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
+        k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
+        v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
+        gqa = self.n_kv != self.n_heads
+        # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
+        # by itself) has no padding: its attention is the output, nothing to fill or copy.
+        out = torch.zeros_like(q) if n_rows > 1 else None
+        for b, (keys, values, start, n_new, scored, tree) in enumerate(rows):
+            keys[i, :, start : start + n_new] = k[b, :, :n_new]
+            values[i, :, start : start + n_new] = v[b, :, :n_new]
+            if tree is not None and self.exact_rows:  # each scored query as a one-token step attends
+                one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start,
+                                           tree.node_keys, gqa)
+            elif tree is not None:  # a token tree: each node sees the context, the chain and its ancestors
+                end = start + n_new
+                one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end],
+                                                     values[i][None, :, :end], attn_mask=tree.mask, enable_gqa=gqa)
+            else:
+                solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
+                one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
+                                      self.attention_chunk)
+            if out is None:
+                out = one
+            else:
+                out[b : b + 1, :, :n_new] = one
+        assert out is not None
+        return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
+
+    def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                        node_keys: Sequence[torch.Tensor], gqa: bool) -> torch.Tensor:
+        """A chain then a token tree, attended so that each scored query computes exactly what a
+        one-token step at its place would: the chain through `exact_attention` (its last query
+        alone), and each node alone over the keys it sees (`node_keys`), gathered in order
+        (context, chain, its ancestors, itself) as one contiguous sequence. In bfloat16 (and
+        with 4-bit products) a tree row then scores what plain decoding scores; attending node
+        by node costs 1.5-2.5x the masked pass at 200-800 positions (int4 SmolLM2; on this AMD
+        EPYC with avx512_bf16 the masked pass rounds some rows differently)."""
+        chain = q.shape[2] - len(node_keys)
+        parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
+        parts += [F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
+                                                 enable_gqa=gqa) for j, idx in enumerate(node_keys, chain)]
+        return torch.cat(parts, dim=2)
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V). trees: per row,
+        None, or the parents of a token tree (see `specdec.verify.DraftTree`) whose nodes are
+        the row's last len(parents) new ids: each node sits at (chain end + its depth) and
+        sees only its ancestors (`keep_path` then keeps the accepted ones)."""
+        return self.forward_features(slots, starts, new_ids, n_logits, trees=trees)[0]
+
+    @torch.inference_mode()
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass whose nodes sat from position `base` on: move the accepted path's
+        entries (node indices, root to leaf) to base, base + 1, ...; the rest are stale. Their
+        keys carry the right rotary positions (chain end + depth) already."""
+        k, v = self.k_slots[slot], self.v_slots[slot]
+        if not path or k is None or v is None or list(path) == list(range(len(path))):
+            return
+        src = torch.tensor([base + node for node in path], dtype=torch.long, device=k.device)
+        k[:, :, base : base + len(path)] = k[:, :, src]
+        v[:, :, base : base + len(path)] = v[:, :, src]
+
+    @torch.inference_mode()
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `forward`, also returning the hidden states the head read (B, max(n_logits), D),
+        after the final norm: the features that feature prophets draft from. layers: only the
+        first ones (early exit: the entries they write for these positions are provisional);
+        head=False: no logits (an empty (B, m, 0) tensor), the features only."""
+        device = self.embed.device
+        lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
+        n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
+        if end > self.max_length:
+            raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
+        layouts: list[_Tree | None] = [None] * len(slots)
+        positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
+        for b, parents in enumerate(trees or []):
+            if parents:  # laid out once for every layer: positions, mask, each node's keys
+                start, chain = starts[b], len(new_ids[b]) - len(parents)
+                where, allowed = tree_layout(start, chain, parents)
+                positions[b, : len(where)] = where.to(device)
+                context = torch.arange(start, device=device)
+                node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
+                             for j in range(chain, len(where))] if self.exact_rows else []
+                layouts[b] = _Tree(allowed.to(device), node_keys)
+        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
+                for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
+        ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
+        positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
+        x = self.embed[ids]  # (B, n, D)
+        for i, w in enumerate(self.layers[:layers]):
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
+            x = x + self._mlp(x, w)
+        self.forward_calls += 1
+        m = max(n_logits)
+        if m == 0:
+            return torch.zeros(len(slots), 0, self.vocab_size, device=device), x[:, :0]
+        first = lens - torch.tensor(list(n_logits), device=device)  # (B,) first new token with logits
+        pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
+        pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
+        x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
+        hidden = self._norm(x, self.final_norm)
+        if not head:
+            return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float()
+        return self._mm(hidden, self.lm_head).float(), hidden.float()
+
+
+class FastLlamaLM:
+    """One sequence as a `specdec.lm.CausalLM`, on the one Llama path there is: slot 0 of a
+    one-slot `BatchLlama`, with the sequence's tokens kept here. Draft models run row by
+    row through it where a prophet has no batched path, training reads features through it,
+    and the decoder holds its target as one; every product, attention and exactness rule
+    (`exact_rows`: in bf16 and int4 the scored rows attend as one-token steps) is
+    BatchLlama's. Every attribute of the weights (`model`, `layers`, `int4`, ...) reads
+    through to it."""
+
+    INITIAL_CAPACITY = 256  # KV positions allocated up front (grows by doubling)
     offers_hidden = True  # forward_features: logits and the last hidden states
 
     def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32) -> None:
+                 act_dtype: torch.dtype = torch.float32, rows: BatchLlama | None = None) -> None:
         """int8: the same weights quantized to int8 per output row (weight-only; activations in
         act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
-        from the float weights (never from a model's 4-bit ones)."""
-        super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
-        # In bfloat16 on a CPU, attention over n queries at once rounds differently from n
-        # one-token steps (measured on SmolLM2: logits up to 0.5 apart), so greedy speculative
-        # output could leave plain decoding where two logits nearly tie. With exact_rows the
-        # rows whose logits are returned attend one at a time, each exactly as a one-token
-        # step does (the products are row by row already): verification scores what plain
-        # decoding would, bit for bit, for ~1 ms more per scored row on SmolLM2.
-        self.exact_rows = self.bucket_rows
+        from the float weights (never from a model's 4-bit ones). rows: a one-slot view of
+        weights already read (`fresh`)."""
+        self.rows = rows if rows is not None else BatchLlama(model, name, 1, vocab_size, int8=int8,
+                                                             act_dtype=act_dtype)
         # The KV buffer grows with the request (doubling, up to the context), instead of being
         # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
-        self.k_cache = self.v_cache = torch.zeros(0)
-        self._reserve(self.INITIAL_CAPACITY)
+        self.rows._reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))
         self.tokens: list[int] = []
-        self.forward_calls = 0
         self.last_hidden = torch.zeros(0)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "rows":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(attr)
+        return getattr(self.rows, attr)
 
     @property
     def capacity(self) -> int:
         """KV positions currently allocated."""
-        return int(self.k_cache.shape[2])
+        k = self.rows.k_slots[0]
+        return 0 if k is None else int(k.shape[2])
 
-    def _reserve(self, end: int) -> None:
-        """Make room for cache slots [0, end): grow by doubling, keep what is written."""
-        end = min(max(end, 1), self.max_length)
-        if self.k_cache.dim() == 4 and end <= self.capacity:
-            return
-        size = grown_capacity(end, self.INITIAL_CAPACITY, self.max_length)
-        shape = (len(self.layers), self.n_kv, size, self.head_dim)
-        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        if self.k_cache.dim() == 4:
-            k[:, :, : self.capacity] = self.k_cache
-            v[:, :, : self.capacity] = self.v_cache
-        self.k_cache, self.v_cache = k, v
+    @property
+    def forward_calls(self) -> int:
+        return self.rows.forward_calls
 
-    def _attention(self, i: int, h: torch.Tensor, start: int, positions: torch.Tensor,
-                   mask: torch.Tensor | None, solo: int = 0) -> torch.Tensor:
-        """h (n, D) for cache slots start..start+n at `positions` (n,); mask (n, start+n) for a token
-        tree, or None: causal, through `exact_attention` (solo: its last rows attending alone)."""
-        n, hd = h.shape[0], self.head_dim
-        w = self.layers[i]
-        qkv = self._linear(h, w, "qkv")  # (n, (Hq + 2 Hkv) hd)
-        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        cos, sin = self.cos[positions], self.sin[positions]
-        q = self._rope(q.view(n, self.n_heads, hd).transpose(0, 1), cos, sin)  # (Hq, n, hd)
-        k = self._rope(k.view(n, self.n_kv, hd).transpose(0, 1), cos, sin)  # (Hkv, n, hd)
-        end = start + n
-        # Written by position: entries past the committed length are stale and simply overwritten later.
-        self.k_cache[i, :, start:end] = k
-        self.v_cache[i, :, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
-        keys, values, gqa = self.k_cache[i][None], self.v_cache[i][None], self.n_kv != self.n_heads
-        if mask is not None:  # a token tree: each node sees its ancestors
-            out = F.scaled_dot_product_attention(q[None], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                                 enable_gqa=gqa)[0]
-        else:
-            out = exact_attention(q[None], keys, values, start, solo, gqa)[0]  # (Hq, n, hd)
-        return self._linear(out.transpose(0, 1).reshape(n, self.n_heads * hd), w, "o")
+    @forward_calls.setter
+    def forward_calls(self, n: int) -> None:
+        self.rows.forward_calls = n
 
-    def _run(self, ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int,
-             layers: int | None = None, head: bool = True, solo: int = 0) -> torch.Tensor:
-        """ids (n,) into cache slots len(tokens).., through the first `layers` layers (all by
-        default), then the final norm and (unless head=False) the head. Returns logits
-        (n_logits, V), or the normed hidden states (n_logits, D) without the head. solo: see
-        `exact_rows` (a causal pass only)."""
-        start, n = len(self.tokens), len(ids)
-        if start + n > self.max_length:
-            raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
-        self._reserve(start + n)
-        solo = min(solo, n) if n > 1 else 0
-        x = self.embed[torch.tensor(list(ids), device=self.device)]  # (n, D)
-        for i, w in enumerate(self.layers[:layers]):
-            x = x + self._attention(i, self._norm(x, w["in_norm"]), start, positions, mask, solo)
-            x = x + self._mlp(x, w)
-        self.forward_calls += 1
-        self.last_hidden = self._norm(x[-n_logits:], self.final_norm)  # the features prophets read
-        if not head:
-            return self.last_hidden
-        return self._mm(self.last_hidden, self.lm_head).float()
+    def _pass(self, ids: Sequence[int], n_logits: int, layers: int | None = None, head: bool = True,
+              parents: Sequence[int] | None = None) -> torch.Tensor:
+        logits, hidden = self.rows.forward_features([0], [len(self.tokens)], [list(ids)], [n_logits], layers, head,
+                                                    trees=[parents] if parents is not None else None)
+        self.tokens.extend(ids)
+        self.last_hidden = hidden[0]
+        return logits[0]
 
-    @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
-        start, n = len(self.tokens), len(new_ids)
-        solo = n_logits if self.exact_rows else 0
-        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, n_logits, solo=solo)
-        self.tokens.extend(new_ids)
-        return logits
+        return self._pass(new_ids, n_logits)
 
     def embeddings(self) -> torch.Tensor:
-        return self.embed
+        return self.rows.embed
 
     def head(self) -> torch.Tensor:
         """The head's float weights (V, D) (with dtype int4, those transformers de-quantized)."""
-        if isinstance(self.lm_head, torch.Tensor):
-            return self.lm_head
-        return self.model.lm_head.weight[: self.vocab_size]
+        if isinstance(self.rows.lm_head, torch.Tensor):
+            return self.rows.lm_head
+        return self.rows.model.lm_head.weight[: self.rows.vocab_size]
 
-    @torch.inference_mode()
     def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As `forward`, also returning the last hidden states (n_logits, D), after the final norm."""
-        logits = self.forward(new_ids, n_logits)
-        return logits, self.last_hidden.float()
+        logits = self._pass(new_ids, n_logits)
+        return logits, self.last_hidden
 
-    @torch.inference_mode()
     def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
         """Self-speculation: new_ids through the first `layers` layers and the model's own head,
         logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
-        tokens, where the next full pass overwrites them: nothing to roll back."""
-        start, n = len(self.tokens), len(new_ids)
-        logits = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, 1,
-                           layers)
-        self.tokens.extend(new_ids)  # provisional: end_early_exit truncates back before verification
-        return logits[0]
+        tokens, where the next full pass overwrites them: end_early_exit truncates back."""
+        return self._pass(new_ids, 1, layers)[0]
 
-    @torch.inference_mode()
     def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
         """As early_exit, but what the head would read instead of logits: the final norm of
         the first `layers` layers' output, (n_last, D) for the last n_last new ids."""
-        start, n = len(self.tokens), len(new_ids)
-        out = self._run(new_ids, torch.arange(start, start + n, device=self.device), None, n_last,
-                        layers, head=False)
-        self.tokens.extend(new_ids)
-        return out.float()
+        self._pass(new_ids, n_last, layers, head=False)
+        return self.last_hidden
 
     def end_early_exit(self, committed: int) -> None:
         self.truncate(committed)
 
-    @torch.inference_mode()
     def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
                      tree_parents: Sequence[int]) -> torch.Tensor:
         """new_ids (a chain) then a token tree in one pass; logits (1 + N, V) after the chain's
         last token and after each node. Nodes sit at position (chain end + depth) and see
         only their ancestors."""
-        positions, allowed = tree_layout(len(self.tokens), len(new_ids), tree_parents)
-        ids = list(new_ids) + list(tree_tokens)
-        logits = self._run(ids, positions.to(self.device), allowed.to(self.device), len(tree_tokens) + 1)
-        self.tokens.extend(ids)
-        return logits
+        return self._pass(list(new_ids) + list(tree_tokens), len(tree_tokens) + 1, parents=tree_parents)
 
     def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
-        """Move the accepted path's cache entries next to the committed ones, drop the rest.
-        Their keys already carry the right rotary positions (chain end + depth)."""
+        """Move the accepted path's cache entries next to the committed ones, drop the rest."""
         base = len(self.tokens) - len(tree_tokens)
-        src = torch.tensor([base + node for node in path], dtype=torch.long, device=self.device)
-        dst = slice(base, base + len(path))
-        self.k_cache[:, :, dst] = self.k_cache[:, :, src]
-        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+        self.rows.keep_path(0, base, path)
         self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
 
     def truncate(self, n: int) -> None:
@@ -496,8 +658,5 @@ class FastLlamaLM(LlamaWeights):
     def fresh(self) -> FastLlamaLM:
         """Another view of the same (fused, possibly quantized) weights with an empty cache of
         its own: nothing is fused or quantized again."""
-        other = copy.copy(self)
-        other.k_cache = other.v_cache = torch.zeros(0)
-        other._reserve(self.INITIAL_CAPACITY)
-        other.tokens, other.forward_calls, other.last_hidden = [], 0, torch.zeros(0)
-        return other
+        return FastLlamaLM(self.rows.model, self.rows.name, rows=self.rows.view(1))
+

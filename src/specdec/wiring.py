@@ -416,8 +416,7 @@ def _new_engine(decoder: Any, slots: int) -> Any:
     lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
     # a plain Llama on the lean path scores its rows in one batched pass; any other model
     # (transformers, a toy) row by row through views of its own (specdec.rows)
-    target: BatchLM = BatchLlama(decoder.target.model, decoder.target.name, slots, decoder.target.vocab_size) \
-        if lean else RowsLM(decoder.target, slots)
+    target: BatchLM = decoder.target.rows.view(slots) if lean else RowsLM(decoder.target, slots)
     parts: list[BatchDrafter] = []
     for d in decoder.drafters:
         if isinstance(d, NgramDrafter | RetrievalDrafter):

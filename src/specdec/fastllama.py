@@ -173,7 +173,7 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 
 class LlamaWeights:
-    """What both lean paths (FastLlamaLM here, BatchLlama in batch.py) read from a loaded
+    """What the Llama path (`BatchLlama`, and `FastLlamaLM` over it) reads from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm.
 
     A model loaded with dtype int4 carries 4-bit products (`specdec.int4.attach_int4`):
@@ -300,7 +300,7 @@ class LlamaWeights:
         }
         weights: dict[str, Any] = {"in_norm": layer.input_layernorm.weight,
                                    "post_norm": layer.post_attention_layernorm.weight}
-        # Fused once per layer and shared by every view of the model (the one-request path,
+        # Fused once per layer and shared by every view of the model (each one-sequence view,
         # each batched engine): a float32 SmolLM2 would otherwise hold 0.28 GB more per view.
         cache = layer.__dict__.setdefault("_specdec_fused", {})
         for name, make in fused.items():
@@ -370,7 +370,7 @@ class BatchLlama(LlamaWeights):
     Each slot's cache is its own buffer (L, Hkv, T_s, hd), grown by doubling as its request
     grows and freed when the request leaves (`free`): one long request costs the memory of
     its own positions, never every slot's, and memory comes back when it ends. Each row
-    attends over its own buffer through `exact_attention` (the one-request path's), so a
+    attends over its own buffer through `exact_attention` (as one-token steps attend), so a
     row's scores never depend on the rows beside it."""
 
     INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling

@@ -213,3 +213,22 @@ def test_costs_at_a_context_weigh_the_short_and_long_measurements_and_round_trip
     # a drafting call's fixed cost is paid once per round, not per token, and not by a plain step
     assert short.round_time(0, "e") == short.verify_time(1)
     assert short.round_time(2, "e") == pytest.approx(2 * 0.1 + 0.2 + short.verify_time(3))
+
+
+def test_calibrate_times_the_one_loop_greedy_and_sampled_at_a_short_and_a_long_context(tiny_pair, tiny_eagle):
+    """The decoder's costs come from its own engine (every prophet's round as the loop runs it),
+    at two contexts and two temperatures, and leave every slot of the engine free."""
+    from specdec import load
+
+    decoder = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", draft_tokens=3)
+    costs = decoder.calibrate(n_context=16, repeats=2, long_context=64)
+    assert costs.context == 16 and costs.long is not None and costs.long.context == 64
+    assert costs.sampled is not None and costs.sampled.context == 16 and costs.sampled.long is costs.long.sampled
+    names = {d.name for d in decoder.drafters}
+    for c in (costs, costs.long, costs.sampled, costs.long.sampled):
+        assert set(c.t_draft_by) == names and set(c.t_call_by) == names
+        assert min(c.t_draft_by.values()) >= 0 and min(c.t_call_by.values()) >= 0
+        assert sorted(c.t_verify) == [1, 2, 3, 4] and list(c.t_verify.values()) == sorted(c.t_verify.values())
+    engine = decoder._one_loop()
+    assert sorted(engine._free) == list(range(engine.target.slots))  # the placeholder rows left
+    assert Costs.from_dict(costs.to_dict()) == costs

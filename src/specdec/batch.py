@@ -504,21 +504,33 @@ class BatchEngine:
                 r.feature, r.draft_cached = f if f is not None else feature, dict(cached)
                 r.generator.set_state(state)
 
+        q_max: torch.Tensor | None = None  # a sampled draft's q (the drafter allocates it, outside the pass)
+
         def score(n: int) -> None:  # a step's pass, probabilities and verification for n tokens per row
+            nonlocal q_max
             args = (slots, starts, [[0] * n] * n_rows, [n] * n_rows)
             logits = self.target.forward_features(*args)[0] if features else self.target.forward(*args)
+            if not params.greedy and q_max is None:
+                q_max = torch.full((n_rows, max(sizes) - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
+                                   device=logits.device)
             drafts = torch.zeros(n_rows, n - 1, dtype=torch.long, device=logits.device)
-            q = None if params.greedy else torch.full((n_rows, n - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
-                                                      device=logits.device)
             one_hot = torch.tensor([params.greedy] * n_rows, device=logits.device)
-            verify_rows(drafts, [n - 1] * n_rows, q, one_hot, _probs_by_params(logits, rows, who),
-                        [r.generator for r in rows])
+            verify_rows(drafts, [n - 1] * n_rows, None if q_max is None else q_max[:, : n - 1], one_hot,
+                        _probs_by_params(logits, rows, who), [r.generator for r in rows])
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
             part.propose(rows, [k] * n_rows)
             if not isinstance(part, LookupBatchDrafter):
                 score(1 + width * k)
 
+        # Each prophet's round is timed as it runs, its drafting right after a target pass
+        # (whose weights push the prophet's out of the processor's caches): alone, back to
+        # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
+        # drafting row by row (RowsDrafter) reports its own cost; one with no room drafts nothing.
+        ks = {p.name: sorted({1, k}) for p in self.parts if not isinstance(p, RowsDrafter)
+              and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
+        timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
+        timed.update({(p.name, j): functools.partial(round_of, p, j) for p in self.parts for j in ks.get(p.name, [])})
         try:
             for r in rows:
                 r.params = params
@@ -526,40 +538,21 @@ class BatchEngine:
                 hidden = self.target.forward_features(slots, starts, [[0]] * n_rows, [1] * n_rows)[1]
                 fresh = [hidden[b, 0] for b in range(n_rows)]
             put_back()
-            # Each prophet's round is timed as it runs, its drafting right after a target pass
-            # (whose weights push the prophet's out of the processor's caches): alone, back
-            # to back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds.
-            timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
-            ks: dict[str, list[int]] = {}
-            for part in self.parts:
-                k = max(0, min(k_max, (room - 1) // width, *(part.room(r) for r in rows)))
-                if isinstance(part, RowsDrafter) or k < 1:
-                    continue
-                ks[part.name] = sorted({1, k})
-                for j in ks[part.name]:
-                    timed[part.name, j] = functools.partial(round_of, part, j)
             t = {key: dt / n_rows for key, dt in interleaved_minimums(timed, repeats, put_back).items()}
-            t_verify = monotone({n: t[n] for n in sizes})
-            per_token: dict[str, float] = {}
-            per_call: dict[str, float] = {}
-            for part in self.parts:
-                if isinstance(part, RowsDrafter):  # a prophet of its own: its measured cost per token
-                    per_token[part.name] = part.draft_costs(rows)[part.name]
-                    continue
-                if part.name not in ks:
-                    per_token[part.name] = 0.0
-                    continue
-                alone = isinstance(part, LookupBatchDrafter)
-                drafting = {j: max(0.0, t[part.name, j] - (0.0 if alone else t[1 + width * j])) for j in ks[part.name]}
-                k = max(drafting)
-                per_token[part.name] = (drafting[k] - drafting[1]) / (k - 1) if k > 1 else drafting[1]
-                per_token[part.name] = max(0.0, per_token[part.name])
-                per_call[part.name] = max(0.0, drafting[1] - per_token[part.name])
         finally:
             for r, (p, *_), in zip(rows, saved, strict=True):
                 r.params = p
             fresh = [None] * n_rows
             put_back()
+        t_verify = monotone({n: t[n] for n in sizes})
+        per_token = {p.name: p.per_token if isinstance(p, RowsDrafter) else 0.0 for p in self.parts}
+        per_call: dict[str, float] = {}
+        lookups = {p.name for p in self.parts if isinstance(p, LookupBatchDrafter)}
+        for name, js in ks.items():
+            drafting = {j: max(0.0, t[name, j] - (0.0 if name in lookups else t[1 + width * j])) for j in js}
+            k = max(drafting)
+            per_token[name] = max(0.0, (drafting[k] - drafting[1]) / (k - 1)) if k > 1 else drafting[1]
+            per_call[name] = max(0.0, drafting[1] - per_token[name])
         t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
         return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
                      context=max(len(r.context) for r in rows))

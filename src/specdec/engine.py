@@ -193,10 +193,8 @@ class SpeculativeDecoder:
         if pol is self.policy:
             pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
         k = (draft_tokens or self.policy.k0) if self.drafters else 0
-        params = SamplingParams(temperature, top_k, top_p)
-        if pol.costs is not None:  # a greedy request decides K from greedy steps' costs, a sampled one from sampled
-            pol.costs = pol.costs.for_params(params.greedy)
-        req = Request(ids, max_new_tokens, params, k, seed, pol if k else None, allowed, sampling)
+        req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
+                      allowed, sampling)
         return req, Finish(self.tokenizer, stops)
 
     # ----------------------------------------------------------------- a request
@@ -216,9 +214,7 @@ class SpeculativeDecoder:
         policy = self.policy if policy_name in (None, self.policy.name) else \
             make_policy(policy_name, draft_tokens or self.policy.k0)
         if policy.needs_costs and policy.costs is None and self.drafters:
-            if self._costs is None:  # fixed once per decoder, whichever policy asks first
-                self._costs = self.policy.costs or self.stored_costs()
-            policy.costs = self._costs
+            policy.costs = self.decision_costs()  # each step then reads them at its temperature and length
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         return ids, allowed, policy, check_stops(stop, self.tokenizer)
 
@@ -306,6 +302,13 @@ class SpeculativeDecoder:
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def decision_costs(self) -> Costs:
+        """The costs this decoder's K policies decide from, fixed once per decoder, whichever
+        policy asks first: its policy's own (set by hand), else the stored ones."""
+        if self._costs is None:
+            self._costs = self.policy.costs or self.stored_costs()
+        return self._costs
 
     def stored_costs(self) -> Costs:
         """The step costs K policies decide from, measured once (`calibrate`) and stored under

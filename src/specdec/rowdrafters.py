@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from specdec.costmodel import median_seconds
 from specdec.drafters.base import Drafter
 from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
 from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
@@ -54,13 +53,6 @@ class ModelBatchDrafter:
     def __init__(self, lm: BatchLM, name: str | None = None) -> None:
         self.lm, self.name = lm, name or lm.name
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        """Seconds of one drafting step for these rows, per row."""
-        slots, starts = [_slot(r) for r in reqs], [self._cached(r) for r in reqs]
-        if min(self.lm.max_length - s for s in starts) <= 1:
-            return {self.name: 0.0}
-        step = lambda: self.lm.forward(slots, starts, [[0]] * len(reqs), [1] * len(reqs))  # noqa: E731
-        return {self.name: median_seconds(step, repeats) / len(reqs)}
 
     def room(self, req: Request) -> int:
         return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
@@ -121,13 +113,6 @@ class EarlyExitBatchDrafter(ModelBatchDrafter):
         self.target, self.prophet, self.name = target, prophet, prophet.name
         self.layers = prophet.layers
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        """Seconds of one drafting step for these rows, per row."""
-        slots, starts = [_slot(r) for r in reqs], [r.target_cached for r in reqs]
-        if min(self.target.max_length - s for s in starts) <= 1:
-            return {self.name: 0.0}
-        step = lambda: self._logits(slots, starts, [[0]] * len(reqs))  # noqa: E731
-        return {self.name: median_seconds(step, repeats) / len(reqs)}
 
     def prefill(self, reqs: Sequence[Request]) -> None:
         pass  # the rows' target slots are its cache
@@ -158,8 +143,6 @@ class LookupBatchDrafter:
     def __init__(self, prophet: Drafter) -> None:
         self.prophet, self.name = prophet, prophet.name
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        return {self.name: 0.0}  # a lookup: nothing next to a model's step
 
     def room(self, req: Request) -> int:
         return 1 << 30
@@ -182,10 +165,9 @@ class RowsDrafter(LookupBatchDrafter):
         super().__init__(prophet)
         self.target, self.reads_features = target, prophet.reads_features
         self.views: list[Drafter | None] = [None] * slots
-        self._per_token = 0.0  # seconds per drafted token, as last seen
-
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        return {self.name: self._per_token}
+        # seconds per drafted token, as last seen (its cost: it may keep state of its own that
+        # a timed call on placeholder rows would disturb)
+        self.per_token = 0.0
 
     def free(self, slot: int) -> None:
         self.views[slot] = None
@@ -210,7 +192,7 @@ class RowsDrafter(LookupBatchDrafter):
             if d.probs is not None and d.tokens:
                 q_rows[b] = d.probs[: len(d.tokens)]
         if drafted:
-            self._per_token = (time.perf_counter() - t0) / drafted
+            self.per_token = (time.perf_counter() - t0) / drafted
         if not q_rows:
             return BatchDraft(tokens, None)
         first = next(iter(q_rows.values()))
@@ -287,17 +269,6 @@ class FeatureBatchDrafter:
             last = torch.tensor(picked, device=h0.device)
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        """Seconds of one drafting step for these rows, per row."""
-        p = self.prophet
-        h = torch.zeros(len(reqs), p.sub_head.shape[1], dtype=p.dtype, device=p.sub_head.device)
-        ids = torch.zeros(len(reqs), dtype=torch.long, device=h.device)
-
-        @torch.inference_mode()
-        def step() -> None:
-            torch.softmax(p.draft_logits(p.guess(h, h, ids, 1)), -1)
-
-        return {self.name: median_seconds(step, repeats) / len(reqs)}
 
 
 class FirstBatchDrafter:
@@ -361,8 +332,6 @@ class FirstBatchDrafter:
             probs[b, : len(q)] = q
         return BatchDraft(tokens, probs, names, one_hot)
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
 
 
 class TreeBatchDrafter:
@@ -403,8 +372,6 @@ class TreeBatchDrafter:
                     chains[b][part.name] = t
         return BatchDraft([[] for _ in reqs], None, trees=trees, chains=chains)
 
-    def draft_costs(self, reqs: Sequence[Request], repeats: int = 2) -> dict[str, float]:
-        return {name: t for p in self.parts for name, t in p.draft_costs(reqs, repeats).items()}
 
 
 

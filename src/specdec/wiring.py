@@ -387,8 +387,7 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     if costs and engine.drafter is not None and decoder.policy.needs_costs and engine.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine
-        decoder._costs = decoder._costs or decoder.policy.costs or decoder.stored_costs()
-        engine.row_costs = decoder._costs
+        engine.row_costs = decoder.decision_costs()
         engine.cost_store = decoder.stored_batch_costs
     return engine
 

@@ -772,3 +772,21 @@ def test_measuring_costs_on_running_rows_changes_nothing_they_do(drafter):
             engine.step(reqs)
         runs.append([r.generated for r in reqs])
     assert runs[0] == runs[1]
+
+
+def test_one_llama_path_the_decoders_views_share_the_weights_read_once(tiny_pair):
+    """FastLlamaLM is slot 0 of a one-slot BatchLlama; its fresh views and the decoder's engine
+    read the same weights (nothing fused, quantized or probed again), each with caches of its own."""
+    from specdec import load
+    from specdec.wiring import engine_for
+
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], draft_dtype=torch.float32)
+    target, engine = decoder.target, engine_for(decoder, 4)
+    assert isinstance(target, FastLlamaLM) and isinstance(target.rows, BatchLlama) and target.rows.slots == 1
+    other = target.fresh()
+    for view in (other.rows, engine.target):
+        assert view.layers is target.rows.layers and view.embed is target.rows.embed
+        assert view.k_slots is not target.rows.k_slots
+    assert engine.target.slots == 4 and other.tokens == [] and other.forward_calls == 0
+    ids = decoder.prompt_ids("def f(x):")
+    torch.testing.assert_close(other.forward(ids, 1)[0], engine.target.forward([2], [0], [ids], [1])[0, 0])

@@ -40,11 +40,12 @@ from specdec.finish import Finish
 from specdec.lm import common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.ragged import verify_rows
-from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot
+from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
 from specdec.rowdrafters import (
     TREE,
     BatchDraft,
     BatchDrafter,
+    Eagle3BatchDrafter,
     FirstBatchDrafter,
     LookupBatchDrafter,
     ModelBatchDrafter,
@@ -75,6 +76,9 @@ class BatchEngine:
         self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchDrafter)}
         self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchDrafter)
                                          and p.lm is not target]
+        # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
+        self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts
+                                                   if getattr(p, "fused_layers", None)), ())
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
@@ -116,7 +120,7 @@ class BatchEngine:
         self._admit(active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
-            _prefill(self.target, active, TARGET, self.prefill_chunk)
+            _prefill(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
             active = [r for r in active if _prefilled(r, TARGET)]
         if not active:
             return refused
@@ -131,6 +135,7 @@ class BatchEngine:
         if draft.trees is not None:
             return refused + self._tree_step(active, draft, d0, d1)
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
+        starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
         for b, r in enumerate(active):  # a coupled row: each position one-hot on its keyed draw
@@ -152,6 +157,7 @@ class BatchEngine:
             events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
             events[-1].spans = self.last_spans
             self._keep_feature(events[-1], hidden, b, v.n_accepted)
+            self._keep_fused(r, b, starts[b])
         return refused + events
 
     def _score(self, active: Sequence[Request], drafts: Sequence[Sequence[int]],
@@ -162,14 +168,32 @@ class BatchEngine:
         rows' target caches then hold all of it (the commit cuts them back)."""
         feeds = [r.context[r.target_cached:] + list(t) for r, t in zip(active, drafts, strict=True)]
         args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
-        hidden = None
-        if self.drafter is not None and self.drafter.reads_features:
+        hidden = fused = None
+        if self.fused_layers:
+            # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
+            logits, hidden, fused = self.target.forward_fused(  # type: ignore[attr-defined]
+                *args, capture=self.fused_layers, trees=trees)
+            if not (self.drafter is not None and self.drafter.reads_features):
+                hidden = None
+        elif self.drafter is not None and self.drafter.reads_features:
             logits, hidden = self.target.forward_features(*args, trees=trees)
         else:
             logits = self.target.forward(*args, trees=trees)
+        self._fused = fused  # read by _keep_fused once the rows are committed
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         return logits, hidden
+
+    def _keep_fused(self, req: Request, b: int, start: int, order: Sequence[int] | None = None) -> None:
+        """After a commit: the fused features of the pass's new positions that now hold
+        committed tokens (start .. req.target_cached - 1; order: which of the pass's new
+        tokens lie there, for a tree's accepted path) join the row's pending ones."""
+        fused = self._fused
+        count = req.target_cached - start
+        if fused is None or req.done or count <= 0:
+            return
+        rows = fused[b, :count] if order is None else fused[b, torch.tensor(list(order)[:count], device=fused.device)]
+        keep_fused(req, start, rows)
 
     def _timed(self, rows: int, d0: float, d1: float) -> tuple[float, float]:
         """Record the step's drafting and target spans (d1 to now); each row's share of both,
@@ -194,6 +218,7 @@ class BatchEngine:
         cache entries move next to the committed ones."""
         assert draft.trees is not None and draft.chains is not None
         trees = draft.trees
+        starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, [t.tokens for t in trees], [t.parents for t in trees])
         share = self._timed(len(active), d0, d1)
         events = []
@@ -214,6 +239,8 @@ class BatchEngine:
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
             e.prophet = "+".join(e.proposals) if n else None
             self._keep_feature(e, hidden, b, 1 + verdict.path[-1] if verdict.path else 0)  # the last accepted node
+            pending = at - starts[b]  # the row's tokens before the tree in the pass
+            self._keep_fused(r, b, starts[b], [*range(pending), *(pending + node for node in verdict.path)])
             events.append(e)
         return events
 
@@ -324,6 +351,7 @@ class BatchEngine:
         (cancelled, or ended by a stop string outside the engine). Safe to call on any request."""
         self._free_slot(req)
         req.target_cached, req.draft_cached = 0, {}
+        req.fused, req.fused_from = [], 0
 
     def _free_slot(self, req: Request) -> None:
         if req.slot is None:
@@ -332,10 +360,10 @@ class BatchEngine:
         for lm in self.draft_lms:
             lm.free(req.slot)
         for part in self.parts:
-            if isinstance(part, RowsDrafter):
+            if isinstance(part, RowsDrafter | Eagle3BatchDrafter):
                 part.free(req.slot)
         self._free.append(req.slot)
-        req.slot = None
+        req.slot, req.fused = None, []
 
     def _admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]
@@ -345,6 +373,7 @@ class BatchEngine:
             raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
         for r in new:
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, {}
+            r.fused, r.fused_from = [], 0
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
         if self.drafter is not None:  # a drafter's own model is small: its prompt goes in at once
@@ -436,7 +465,7 @@ class BatchEngine:
             rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
             self._admit(rows)
             try:
-                _prefill(self.target, rows, TARGET)
+                _prefill(self.target, rows, TARGET, None, self.fused_layers)
                 return self._measure(rows, k_max, repeats)
             finally:
                 for r in rows:
@@ -494,15 +523,20 @@ class BatchEngine:
         width = len(self.parts) if isinstance(self.drafter, TreeBatchDrafter) else 1
         room = min(self.target.max_length - s for s in starts)
         sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
-        saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state()) for r in rows]
+        for part in self.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
+            if isinstance(part, Eagle3BatchDrafter):
+                part.settle(rows, leave=2)
+        saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
+                 for r in rows]
         features = self.drafter is not None and self.drafter.reads_features
         who = f"target '{self.target.name}'"
         fresh: list[torch.Tensor | None] = [None] * n_rows
 
         def put_back() -> None:  # after every timed call
-            for r, (_, feature, cached, state), f in zip(rows, saved, fresh, strict=True):
+            for r, (_, feature, cached, state, fused, fused_from), f in zip(rows, saved, fresh, strict=True):
                 r.feature, r.draft_cached = f if f is not None else feature, dict(cached)
                 r.generator.set_state(state)
+                r.fused, r.fused_from = list(fused), fused_from
 
         q_max: torch.Tensor | None = None  # a sampled draft's q (the drafter allocates it, outside the pass)
 

@@ -515,6 +515,17 @@ class BatchLlama(LlamaWeights):
         after the final norm: the features that feature prophets draft from. layers: only the
         first ones (early exit: the entries they write for these positions are provisional);
         head=False: no logits (an empty (B, m, 0) tensor), the features only."""
+        logits, hidden, _ = self.forward_fused(slots, starts, new_ids, n_logits, (), layers, head, trees)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def forward_fused(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                      n_logits: Sequence[int], capture: Sequence[int], layers: int | None = None, head: bool = True,
+                      trees: Sequence[Sequence[int] | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """As `forward_features`, also returning the outputs of the layers `capture` (the
+        residual stream after each) at every new position, concatenated: (B, n, len * D)
+        float32 (an eagle3 prophet's fused features), or None when capture is empty."""
         device = self.embed.device
         lens = torch.tensor([len(ids) for ids in new_ids], device=device)  # (B,)
         n, end = int(lens.max()), max(s + len(ids) for s, ids in zip(starts, new_ids, strict=True))
@@ -536,21 +547,25 @@ class BatchLlama(LlamaWeights):
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
+        kept: list[torch.Tensor] = []
         for i, w in enumerate(self.layers[:layers]):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
             x = x + self._mlp(x, w)
+            if i in capture:
+                kept.append(x.float())
         self.forward_calls += 1
+        fused = torch.cat(kept, dim=-1) if kept else None
         m = max(n_logits)
         if m == 0:
-            return torch.zeros(len(slots), 0, self.vocab_size, device=device), x[:, :0]
+            return torch.zeros(len(slots), 0, self.vocab_size, device=device), x[:, :0], fused
         first = lens - torch.tensor(list(n_logits), device=device)  # (B,) first new token with logits
         pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
         pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
         x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
         hidden = self._norm(x, self.final_norm)
         if not head:
-            return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float()
-        return self._mm(hidden, self.lm_head).float(), hidden.float()
+            return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float(), fused
+        return self._mm(hidden, self.lm_head).float(), hidden.float(), fused
 
 
 class FastLlamaLM:

@@ -39,6 +39,10 @@ class Request:
     # the same for each draft model's slot (its drafter state), by the draft model's name
     draft_cached: dict[str, int] = field(default_factory=dict)
     feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
+    # the target's fused features (an eagle3 prophet's true slots) of positions fused_from.., in
+    # chunks as target passes computed them, not yet in that prophet's cache
+    fused: list[torch.Tensor] = field(default_factory=list)
+    fused_from: int = 0
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
 
@@ -123,6 +127,15 @@ def _set_cached(req: Request, cache: str, n: int) -> None:
     else:
         req.draft_cached[cache] = n
 
+
+
+def keep_fused(req: Request, start: int, rows: torch.Tensor) -> None:
+    """Fused features of positions start.. (a pass's, committed) join the row's pending ones
+    (bf16: an eagle3 prophet's input, not exactness-bearing). A gap (the row's pending rows
+    do not end at start) drops the old ones: the prophet then waits for a contiguous run."""
+    if not req.fused or req.fused_from + sum(len(f) for f in req.fused) != start:
+        req.fused, req.fused_from = [], start
+    req.fused.append(rows.to(torch.bfloat16))
 
 
 def _prefilled(req: Request, cache: str) -> bool:

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.eagle3 import Eagle3Runtime
 from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
 from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.policy import best_first
-from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot
+from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot, keep_fused
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
 from specdec.verify import DraftTree
@@ -271,6 +272,120 @@ class FeatureBatchDrafter:
 
 
 
+class Eagle3BatchDrafter:
+    """The EAGLE-3-style prophet (specdec.drafters.eagle3) for every row: a row's true slots
+    come from the target's fused features, which every target pass (prefill chunks and
+    verification) leaves in `Request.fused` for the positions it committed; a row drafts
+    once its slots reach its last committed position but one (right after its prompt is
+    in), and each draft step is one more slot fed the layer's own output. Its cache length
+    is `Request.draft_cached[name]`, true slots only (drafted slots lie past it). q is 0
+    outside the draft vocabulary (exact, see feature.py)."""
+
+    reads_features = False
+
+    def __init__(self, runtime: Eagle3Runtime) -> None:
+        self.runtime, self.name = runtime, runtime.name
+        self.fused_layers = runtime.layers
+        self.vocab_size = self.full_vocab = int(runtime.embed.shape[0])  # the target's vocabulary
+
+    def room(self, req: Request) -> int:
+        return 1 << 30
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass
+
+    def free(self, slot: int) -> None:
+        self.runtime.free(slot)
+
+    def _catch_up(self, reqs: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+        """Feed each row's pending true slots. Returns the rows that can draft now (their
+        slots reach len(context) - 2) and their last outputs (B', D), whose head gives d_1."""
+        ready: list[int] = []
+        slots, starts, feats, toks = [], [], [], []
+        for b, r in enumerate(reqs):
+            have = _cached(r, self.name)
+            if not r.fused or r.fused_from != have:
+                continue  # no fresh slot to start from (it just joined, or was cut): no draft this step
+            pending = torch.cat(r.fused)
+            if have + len(pending) != len(r.context) - 1:
+                continue
+            ready.append(b)
+            slots.append(_slot(r))
+            starts.append(have)
+            feats.append(pending)
+            toks.append(r.context[have + 1 : have + 1 + len(pending)])
+        if not ready:
+            return ready, None
+        g = self.runtime.run(slots, starts, feats, toks, [True] * len(ready))
+        for b in ready:
+            r = reqs[b]
+            _set_cached(r, self.name, len(r.context) - 1)
+            r.fused, r.fused_from = [], len(r.context) - 1
+        return ready, g
+
+    @torch.inference_mode()
+    def settle(self, reqs: Sequence[Request], leave: int = 0) -> None:
+        """Feed each row's pending true slots into its cache but the last `leave` (so that a
+        timed round catches up on as many slots as a real one does)."""
+        for r in reqs:
+            pending = torch.cat(r.fused) if r.fused else None
+            have = _cached(r, self.name)
+            if pending is None or r.fused_from != have or len(pending) <= leave:
+                continue
+            m = len(pending) - leave
+            self.runtime.run([_slot(r)], [have], [pending[:m]], [r.context[have + 1 : have + 1 + m]], [True])
+            _set_cached(r, self.name, have + m)
+            r.fused, r.fused_from = [pending[m:]], have + m
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        rt = self.runtime
+        tokens: list[list[int]] = [[] for _ in reqs]
+        want = [b for b, k in enumerate(ks) if k > 0]
+        if not want:
+            return BatchDraft(tokens, None)
+        got, g = self._catch_up([reqs[b] for b in want])
+        rows = [want[i] for i in got]
+        if g is None:
+            return BatchDraft(tokens, None)
+        k_rows = [ks[b] for b in rows]
+        keep = _keep_drafting(reqs)
+        who = f"drafter '{self.name}'"
+        sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
+        probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=g.device) if sampled else None
+        for j in range(1, max(k_rows) + 1):
+            live = [i for i in range(len(rows)) if k_rows[i] >= j]
+            if j > 1:  # slot N-2+j-1 of each row still drafting: (its last output, its last draft)
+                g_live = rt.run([_slot(reqs[rows[i]]) for i in live],
+                                [len(reqs[rows[i]].context) - 2 + j - 1 for i in live],
+                                [g[i][None] for i in live], [[tokens[rows[i]][-1]] for i in live],
+                                [False] * len(live))
+                g = g.clone()
+                g[live] = g_live
+            sub = rt.logits(g[live])  # (B', N)
+            check_logits(sub, who)
+            picked = rt.vocab_ids[sub.argmax(-1)].tolist()
+            drawing = [n for n, i in enumerate(live) if i in sampled]
+            if drawing:
+                q = _probs_by_params(sub[drawing][:, None], [reqs[rows[live[n]]] for n in drawing], who)[:, 0]
+                for m, n in enumerate(drawing):
+                    req = reqs[rows[live[n]]]
+                    picked[n] = draw(q[m], req.params, req.generator, len(req.context) + j - 1, rt.vocab_ids,
+                                     self.full_vocab)
+                    probs[rows[live[n]], j - 1].index_copy_(-1, rt.vocab_ids, q[m].float())  # type: ignore[index]
+            for n, i in enumerate(live):
+                b = rows[i]
+                tokens[b].append(picked[n])
+                stop = keep[b]
+                if stop is not None and k_rows[i] > j:
+                    sure = probs[b, j - 1] if probs is not None and not reqs[b].params.greedy else \
+                        torch.zeros(self.full_vocab, device=g.device).index_copy_(
+                            -1, rt.vocab_ids, torch.softmax(sub[n].float(), -1))
+                    if not stop(sure):
+                        k_rows[i] = j
+        return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
+
+
 class FirstBatchDrafter:
     """Several prophets, the first in order that proposes something for a row drafts for it
     (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere), or,
@@ -376,15 +491,18 @@ class TreeBatchDrafter:
 
 
 
-BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | FirstBatchDrafter | TreeBatchDrafter
+BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | Eagle3BatchDrafter | FirstBatchDrafter | \
+    TreeBatchDrafter
 TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
 
 
-def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None) -> None:
+def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None,
+             capture: tuple[int, ...] = ()) -> None:
     """Feed rows' prompts but their last token (later steps then feed few tokens per row):
     with a budget, one chunk per row, from where the row is (its length in `cache`) to
     the next multiple of `budget` positions, for rows in order while the chunks fit `budget`
-    tokens in all (at least one row); without, every row's whole prompt."""
+    tokens in all (at least one row); without, every row's whole prompt. capture: target
+    layers whose outputs each row keeps for an eagle3 prophet (`Request.fused`)."""
     feeds: list[tuple[Request, int, int]] = []
     used = 0
     for r in reqs:
@@ -396,9 +514,14 @@ def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | Non
             break
         feeds.append((r, done, stop))
         used += stop - done
-    if feeds:
-        lm.forward([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
-                   [0] * len(feeds))
+    args = ([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
+            [0] * len(feeds))
+    if feeds and capture:
+        fused = lm.forward_fused(*args, capture=capture)[2]  # type: ignore[attr-defined]
+        for i, (r, a, b) in enumerate(feeds):
+            keep_fused(r, a, fused[i, : b - a])
+    elif feeds:
+        lm.forward(*args)
     for r, _, b in feeds:
         _set_cached(r, cache, b)
 
@@ -420,5 +543,5 @@ def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) ->
 
 
 
-__all__ = ["TREE", "BatchDraft", "BatchDrafter", "EarlyExitBatchDrafter", "FeatureBatchDrafter", "FirstBatchDrafter",
-           "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter", "TreeBatchDrafter"]
+__all__ = ["TREE", "BatchDraft", "BatchDrafter", "EarlyExitBatchDrafter", "Eagle3BatchDrafter", "FeatureBatchDrafter",
+           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter", "TreeBatchDrafter"]

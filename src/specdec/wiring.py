@@ -330,6 +330,25 @@ def _feature(part: str, w: Wiring) -> Drafter:
                           name=short_name(part), dtype=w.dtype)
 
 
+def _eagle3(part: str, w: Wiring) -> Drafter:
+    """An EAGLE-3-style prophet (models/smollm2-eagle3): one decoder layer over the target's
+    fused features; it needs the lean Llama path (whose passes keep those features)."""
+    from specdec.drafters.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
+    from specdec.fastllama import FastLlamaLM
+
+    net, vocab_ids, cfg = load_eagle3(Path(part))
+    target = w.target
+    if not isinstance(target, FastLlamaLM):
+        raise ValueError(f"prophet '{part}' needs a plain Llama target on the lean path (such as smollm2)")
+    rows = target.rows
+    if rows.embed.shape[1] != net.dim or max(cfg["layers"]) >= rows.n_layers or rows.head_dim != net.head_dim:
+        raise ValueError(f"prophet '{part}' was trained for a target with hidden size {net.dim} and more than "
+                         f"{max(cfg['layers'])} layers; '{target.name}' has {rows.embed.shape[1]} and {rows.n_layers}")
+    runtime = Eagle3Runtime(net, vocab_ids, tuple(cfg["layers"]), rows.embed.float(), target.head().float(),
+                            rows.cos, rows.sin, 1, int4=rows.int4, name=short_name(part))
+    return Eagle3Prophet(runtime, target.vocab_size)  # type: ignore[return-value]
+
+
 def _model(part: str, w: Wiring) -> Drafter:
     """A smaller model with the target's tokenizer (a path, a hub id or a GGUF file)."""
     from specdec.drafters.model import ModelDrafter
@@ -340,6 +359,12 @@ def _model(part: str, w: Wiring) -> Drafter:
         raise ValueError(f"drafter '{part}' and target '{w.target.name}' share {vocab} ids, "
                          f"the target scores {w.target.vocab_size}")
     return ModelDrafter(wrap(model, part, vocab, w.backend), name=short_name(part))
+
+
+def _is_eagle3(part: str) -> bool:
+    from specdec.drafters.eagle3 import is_eagle3
+
+    return is_eagle3(part)
 
 
 def _is_feature_prophet(part: str) -> bool:
@@ -356,6 +381,8 @@ for _kind in (
     ProphetKind("layerskip", lambda p: p == "layerskip" or p.startswith("layerskip:"), _layerskip,
                 "the target's first L layers and its own head (layerskip:L or layerskip:auto)"),
     ProphetKind("int8", lambda p: p.endswith(":int8"), _int8, "a model (the target's name: itself) with int8 weights"),
+    ProphetKind("eagle3", lambda p: _is_eagle3(p), _eagle3,
+                "one decoder layer over the target's fused low/middle/high features (EAGLE-3-style; prophet.json)"),
     ProphetKind("feature", _is_feature_prophet, _feature,
                 "heads over the target's hidden states (a directory with prophet.json: EAGLE- or Medusa-style)"),
     ProphetKind("model", lambda p: True, _model, "a smaller model with the target's tokenizer (path, hub id, .gguf)"),
@@ -364,9 +391,10 @@ for _kind in (
 
 
 def resolve_multi(multi: str, drafters: list[Drafter]) -> str:
-    """multi="auto": "first" when a feature prophet is among several, else "tree"."""
+    """multi="auto": "first" when a feature prophet (eagle3 too) is among several, else "tree"."""
     if multi == "auto":
-        return "first" if len(drafters) > 1 and any(d.reads_features for d in drafters) else "tree"
+        return "first" if len(drafters) > 1 and any(d.reads_features or getattr(d, "fused_layers", None)
+                                                    for d in drafters) else "tree"
     return multi
 
 
@@ -394,6 +422,7 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine, BatchLlama
+    from specdec.drafters.eagle3 import Eagle3Prophet
     from specdec.drafters.feature import FeatureDrafter
     from specdec.drafters.layerskip import LayerSkipDrafter
     from specdec.drafters.model import ModelDrafter
@@ -402,6 +431,7 @@ def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.fastllama import FastLlamaLM, supports
     from specdec.rowdrafters import (
         BatchDrafter,
+        Eagle3BatchDrafter,
         EarlyExitBatchDrafter,
         FeatureBatchDrafter,
         FirstBatchDrafter,
@@ -424,6 +454,8 @@ def _new_engine(decoder: Any, slots: int) -> Any:
             parts.append(EarlyExitBatchDrafter(target, d))
         elif isinstance(d, FeatureDrafter):
             parts.append(FeatureBatchDrafter(d))
+        elif isinstance(d, Eagle3Prophet) and lean:
+            parts.append(Eagle3BatchDrafter(d.runtime.view(slots)))
         elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
             parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
                                                       int8=d.lm.int8, act_dtype=d.lm.act_dtype)))

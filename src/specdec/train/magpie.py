@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from specdec.batch import BatchLlama
 from specdec.data.tasks import over_passage, passage_requests, task_prompts
+from specdec.drafters.eagle3 import fused_layers
 from specdec.fastllama import LlamaWeights
 from specdec.train.selfdistill import answer_into_shards, chat_ids
 
@@ -54,10 +55,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
 
 @torch.inference_mode()
 def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop: set[int], temperature: float,
-                  top_p: float, gen: torch.Generator, keep_hidden: bool) -> list[tuple[list[int], torch.Tensor | None]]:
+                  top_p: float, gen: torch.Generator, keep_hidden: bool,
+                  capture: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor | None]]:
     """Each prompt continued until a stop token (kept) or max_new tokens. Returns per row
     (new tokens, hidden states after the final norm at every fed position: the prompt and
-    the new tokens but the last, bf16) or (new tokens, None).
+    the new tokens but the last, bf16) or (new tokens, None). capture: layer indices whose
+    output (the residual stream after them) is kept too, after the final hidden state:
+    rows of (1 + len(capture)) * D.
 
     One left-padded batch with a preallocated cache and one attention call per layer (a
     data generator, not the exact path: rows may differ from one-row decoding in the last
@@ -78,6 +82,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
     def run(x_ids: torch.Tensor, col: int) -> torch.Tensor:
         """Feed x_ids (B, m) at cache columns col.., return normed hidden (B, m, D)."""
         b, m = x_ids.shape
+        kept: list[torch.Tensor] = []
         cols = col + torch.arange(m, device=dev)
         positions = (cols[None] - pad[:, None]).clamp(min=0)  # (B, m)
         allowed = torch.arange(col + m, device=dev)[None, None] >= pad[:, None, None]  # (B, 1, T): not padding
@@ -100,13 +105,16 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
                                                    attn_mask=mask)
             x = x + lm._mm(a.transpose(1, 2).reshape(b, m, -1), w["o"])
             x = x + lm._mlp(x, w)
-        return lm._norm(x, lm.final_norm)
+            if i in capture:
+                kept.append(x)
+        return torch.cat([lm._norm(x, lm.final_norm), *kept], dim=-1) if kept else lm._norm(x, lm.final_norm)
 
     h = run(ids, 0)
     if keep_hidden:
         for b in range(n):
             hidden[b].append(h[b, int(pad[b]) :].to(torch.bfloat16).cpu())
-    logits = lm._mm(h[:, -1], lm.lm_head).float()
+    d = lm.embed.shape[1]
+    logits = lm._mm(h[:, -1, :d], lm.lm_head).float()
     col = width
     alive = [True] * n  # per batch row: still generating
     for step in range(max_new):
@@ -129,7 +137,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
             for j, a in enumerate(alive):
                 if a:
                     hidden[int(rows[j])].append(h[j : j + 1].to(torch.bfloat16).cpu())
-        logits = lm._mm(h, lm.lm_head).float()
+        logits = lm._mm(h[:, :d], lm.lm_head).float()
     result = []
     for b in range(n):
         hs = torch.cat(hidden[b]) if keep_hidden else None
@@ -221,14 +229,19 @@ def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size
     batches = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
     deadline = time.monotonic() + minutes * 60 if minutes is not None else None  # 0: answer nothing more
     stop = {int(tokenizer.eos_token_id)}
+    capture = fused_layers(len(lm.layers))
 
     def answer(bi: int) -> tuple[dict[str, Any], int]:
         batch = batches[bi]
         temperature = temperatures[bi % len(temperatures)]
         gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}-{bi}".encode()).hexdigest()[:8], 16))
-        rows = continue_rows(lm, [ids[i] for i in batch], max_new, stop, temperature, 1.0, gen, True)
+        rows = continue_rows(lm, [ids[i] for i in batch], max_new, stop, temperature, 1.0, gen, True, capture)
+        d = lm.embed.shape[1]
         return {"ids": [ids[i] + r[0] for i, r in zip(batch, rows, strict=True)],
-                "hidden": [r[1] for r in rows], "prompt_len": [len(ids[i]) for i in batch],
+                "hidden": [r[1][:, :d].contiguous() for r in rows if r[1] is not None],
+                # the outputs of the fused layers (specdec.drafters.eagle3) at every position
+                "fused": [r[1][:, d:].contiguous() for r in rows if r[1] is not None], "fused_layers": capture,
+                "prompt_len": [len(ids[i]) for i in batch],
                 "category": [prompts[i]["category"] for i in batch],
                 "temperature": temperature}, sum(len(r[0]) for r in rows)
 

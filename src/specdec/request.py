@@ -41,7 +41,7 @@ class Request:
     feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
     # the target's fused features (an eagle3 prophet's true slots) of positions fused_from.., in
     # chunks as target passes computed them, not yet in that prophet's cache
-    fused: list[torch.Tensor] = field(default_factory=list)
+    fused: list[torch.Tensor] = field(default_factory=list, repr=False)
     fused_from: int = 0
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)

@@ -544,4 +544,5 @@ def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) ->
 
 
 __all__ = ["TREE", "BatchDraft", "BatchDrafter", "EarlyExitBatchDrafter", "Eagle3BatchDrafter", "FeatureBatchDrafter",
-           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter", "TreeBatchDrafter"]
+           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter",
+           "TreeBatchDrafter"]

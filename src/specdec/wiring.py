@@ -344,7 +344,7 @@ def _eagle3(part: str, w: Wiring) -> Drafter:
     if rows.embed.shape[1] != net.dim or max(cfg["layers"]) >= rows.n_layers or rows.head_dim != net.head_dim:
         raise ValueError(f"prophet '{part}' was trained for a target with hidden size {net.dim} and more than "
                          f"{max(cfg['layers'])} layers; '{target.name}' has {rows.embed.shape[1]} and {rows.n_layers}")
-    runtime = Eagle3Runtime(net, vocab_ids, tuple(cfg["layers"]), rows.embed.float(), target.head().float(),
+    runtime = Eagle3Runtime(net, vocab_ids, tuple(cfg["layers"]), rows.embed, target.head(),
                             rows.cos, rows.sin, 1, int4=rows.int4, name=short_name(part))
     return Eagle3Prophet(runtime, target.vocab_size)  # type: ignore[return-value]
 

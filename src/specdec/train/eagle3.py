@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from specdec.drafters.eagle3 import Eagle3Net, save_eagle3
 
@@ -257,6 +258,57 @@ def train(data_dir: Path, out: Path, work: Path, minutes: float, steps: int = 4,
     return info
 
 
+@torch.no_grad()
+def compare(data_dir: Path, eagle3: Path, eagle: Path, steps: int = 4, max_len: int = 768, limit: int = 60,
+            target: str = "smollm2") -> dict[str, Any]:
+    """Held-out answers (the trainer's split), per draft step j given the true tokens before:
+    agreement (the prophet's argmax == the target's argmax over the full vocabulary) and the
+    mean of sum_x min(p, q) at T=1 (the expected acceptance of a drafted token), for the
+    eagle3 prophet and the residual-MLP eagle, on the same positions."""
+    from specdec.drafters.eagle3 import load_eagle3
+    from specdec.drafters.feature import load_head
+    from specdec.fastllama import LlamaWeights
+    from specdec.wiring import load_pretrained
+
+    model, _ = load_pretrained(target, torch.float32)
+    lw = LlamaWeights(model, target, int4=False)
+    embed, lm_head = lw.embed.float(), model.lm_head.weight[: lw.vocab_size].float()
+    cos, sin = lw.cos.float(), lw.sin.float()
+    _, held, _ = load_sequences(data_dir, max_len)
+    held = held[:limit]
+    net, vocab3, _ = load_eagle3(eagle3)
+    head, vocab1, _ = load_head(eagle)
+    out: dict[str, Any] = {"positions": 0, "eagle3": {"agreement": [0.0] * steps, "min_pq": [0.0] * steps},
+                           "eagle": {"agreement": [0.0] * steps, "min_pq": [0.0] * steps}}
+    n_total = [0] * steps
+    for seq in held:
+        m = len(seq.ids) - 1
+        lo = max(0, seq.prompt_len - 2)  # origins whose first guess is an answer position
+        origins = torch.arange(lo, m - steps)
+        if len(origins) == 0:
+            continue
+        embeds = F.pad(embed[seq.ids[1:]], (0, 0, 0, steps - 1))[None]  # past the end: unused origins
+        outs = net.unrolled(seq.fused[None].float(), embeds, cos, sin, steps)
+        g1 = seq.hidden[origins].float()
+        for j in range(1, steps + 1):
+            true = seq.hidden[origins + j].float()
+            p = torch.softmax(true @ lm_head.T, -1)
+            p_tok = p.argmax(-1)
+            g3 = net.out(outs[j - 1][0, origins])
+            g1 = head.step(g1, embed[seq.ids[origins + j]])
+            for name, g, vocab in (("eagle3", g3, vocab3), ("eagle", g1, vocab1)):
+                q_sub = torch.softmax(g @ lm_head[vocab].T, -1)
+                q = torch.zeros_like(p).index_copy_(-1, vocab, q_sub)
+                out[name]["agreement"][j - 1] += float((vocab[q_sub.argmax(-1)] == p_tok).sum())
+                out[name]["min_pq"][j - 1] += float(torch.minimum(p, q).sum(-1).sum())
+            n_total[j - 1] += len(origins)
+    for name in ("eagle3", "eagle"):
+        for key in ("agreement", "min_pq"):
+            out[name][key] = [round(v / max(1, n), 3) for v, n in zip(out[name][key], n_total, strict=True)]
+    out["positions"] = n_total[0]
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="train the EAGLE-3-style prophet for SmolLM2")
     ap.add_argument("--data", type=Path, default=Path(".cache/smollm2/broad"))
@@ -268,7 +320,14 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--est-steps", type=int, default=300, help="steps the cosine schedule spans")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="no training: held-out agreement and sum min(p, q) per step of --out against this eagle")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.compare is not None:
+        import json
+
+        print(json.dumps(compare(a.data, a.out, a.compare, a.steps), indent=1))
+        raise SystemExit(0)
     train(a.data, a.out, a.work, a.minutes, a.steps, a.lr, a.tokens, est_steps=a.est_steps)

@@ -36,3 +36,4 @@ def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
     assert (out / "bench.md").read_text().count("|") > 20
     assert (out / "timeline-greedy.png").exists() and (out / "speedup-greedy.png").exists()
     assert report["results"][1]["mode"] == "sampling"
+    assert report["roofline"]["parts"][0]["name"] == "target" and "Roofline: " in (out / "bench.md").read_text()

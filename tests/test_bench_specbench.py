@@ -128,3 +128,12 @@ def test_a_greedy_mismatch_is_reported_loudly_and_withholds_the_speedup():
     assert rows["overall"]["acceptance_rate"] == pytest.approx(0.5)
     md = specbench_markdown(list(rows.values()), "### greedy")
     assert "1/2 **MISMATCH**" in md and "MISMATCH: greedy speculative output differs" in md and "rag:2" in md
+
+
+def test_specbench_report_has_the_roofline(specbench_run):
+    _, out = specbench_run
+    report = json.loads((out / "bench.json").read_text())
+    parts = {p["name"]: p for p in report["roofline"]["parts"]}
+    assert parts["target"]["megabytes"] > 0 and parts["target"]["measured_ms"] > 0
+    assert report["roofline"]["bandwidth_gb_s"] > 0
+    assert "Roofline: this machine streams" in (out / "bench.md").read_text()

@@ -21,6 +21,7 @@ from specdec.bench.report import (
     summarize_config,
 )
 from specdec.bench.report import fmt as _f
+from specdec.bench.roofline import roofline, roofline_line
 from specdec.bench.runner import Config, Run, Runner, hf_generate_fn, interleaved, measure_costs
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, BenchPrompt, build_suite
@@ -204,10 +205,18 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     peers = ({"peers": peer_summary(runs, configs, rows, greedy, peer_info(runner))}
              if any(c.kind == "peer" for c in configs) else {})
     return {"mode": tag, "settings": settings, "target_weights": plain.weights, "costs": costs, "rows": rows,
+            "roofline": _roofline(runner, configs),
             "by_category": cats, **peers,
             "plots": [Path(p).name for p in pics],  # beside bench.json
             "runs": [{"config": r.config, "prompt": r.prompt, "category": r.category, "tokens": len(r.tokens),
                       "wall_s": r.wall_s} for r in runs]}
+
+
+def _roofline(runner: Runner, configs: list[Config]) -> dict[str, Any]:
+    """The roofline of the first speculative configuration's decoder (its target and
+    prophets), else of plain decoding's (`specdec.bench.roofline`)."""
+    ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
+    return roofline(next((d for d in ours if d.drafters), runner.decoders["plain"]))
 
 
 def run_bench(args: Any) -> dict[str, Any]:
@@ -234,13 +243,17 @@ def run_bench(args: Any) -> dict[str, Any]:
     results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
     machine = _machine(args)
     device = getattr(args, "device", "cpu")
-    report = {"command": args.command_line, "machine": machine, "quick": args.quick, "device": device,
+    lines = [res.pop("roofline") for res in results]  # the same decoders each mode: the last one's
+    line = lines[-1] if lines else None
+    report = {"roofline": line, "command": args.command_line, "machine": machine, "quick": args.quick, "device": device,
               "target_dtype": results[0]["target_weights"] if results else getattr(args, "dtype", "default"),
               "prompts": [{"category": p.category, "source": p.source} for p in prompts],
               "repeats": args.repeats, "wall_s": time.perf_counter() - t0, "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     md = [f"Command: `{args.command_line}`  \nMachine: {machine_line(machine)}; {len(prompts)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); target weights {report['target_dtype']}.\n"]
+    if line is not None:
+        md.append(roofline_line(line) + "\n")
     for res in results:
         c = res["costs"]
         header = (f"### {res['mode']}\n\nc = t_draft/t_target = {c.get('c', float('nan')):.3f}; verification cost "
@@ -398,6 +411,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
                                on_run=lambda r: bar.update(job, advance=1))
             results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources, peer_info(runner)))
     machine = _machine(args)
+    line = _roofline(runner, configs)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
               "device": getattr(args, "device", "cpu"), "target_dtype": plain.weights,
@@ -405,7 +419,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
               "prompt_format": "chat template" if chat else "raw text (the target has no chat template)",
               "prompts_cut": cut, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [{"task": p.category, "source": p.source} for p in prompts],
-              "leaderboard_tokens_per_pass": reference, "wall_s": time.perf_counter() - t0, "results": results}
+              "leaderboard_tokens_per_pass": reference, "roofline": line, "wall_s": time.perf_counter() - t0,
+              "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     counts = ", ".join(f"{t} {sum(p.category == t for p in prompts)}" for t in tasks)
     md = [f"Command: `{args.command_line}`  \nMachine: {machine_line(machine)}; Spec-Bench: {len(prompts)} "
@@ -419,7 +434,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
           "Spec-Bench leaderboard, tokens per target pass (Vicuna-7B-v1.3, greedy, fp16, one GPU): "
           + ", ".join(f"{m} {v:.2f}" for m, v in SPEC_BENCH_LEADERBOARD)
           + ". Tokens per pass does not depend on the hardware; a speedup does, and theirs are of a 7B model "
-          "on a GPU.\n"]
+          "on a GPU.\n", roofline_line(line) + "\n"]
     for res in results:
         md.append(specbench_markdown(res["tasks"], f"### {res['mode']}"))
         md.append(markdown(res["rows"], {}, [], "All questions, per configuration (the bench's usual figures):"))

@@ -230,7 +230,7 @@ def train(data_dir: Path, out: Path, work: Path, minutes: float, steps: int = 4,
         state["step"] = s + 1
         if state["step"] % 20 == 0:
             el = time.monotonic() - t_start
-            log(f"step {state['step']} loss {[round(float(x), 3) for x in losses]} lr {lr * scale:.2e} "
+            log(f"step {state['step']} loss {[round(float(x.detach()), 3) for x in losses]} lr {lr * scale:.2e} "
                 f"{el / 60:.1f} min")
         if state["step"] % eval_every == 0:
             agree = evaluate()

@@ -3,8 +3,16 @@ held, and the floor they give at a bandwidth; checked against the tensors themse
 
 import torch
 
-from specdec.bench.roofline import (gemv_bandwidth, kv_bytes, llama_step_bytes, prophet_step_bytes, roofline,
-                                    roofline_line, target_step_bytes, weight_bytes)
+from specdec.bench.roofline import (
+    gemv_bandwidth,
+    kv_bytes,
+    llama_step_bytes,
+    prophet_step_bytes,
+    roofline,
+    roofline_line,
+    target_step_bytes,
+    weight_bytes,
+)
 
 
 def test_weight_bytes_counts_every_kind_of_weight():

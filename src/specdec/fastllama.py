@@ -232,6 +232,10 @@ class LlamaWeights:
             scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
             self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+            # sin with the rotation's sign folded in: x * cos + roll(x, hd/2) * sin_signed is
+            # x * cos + cat(-x2, x1) * sin bit for bit ((-a) * b == a * (-b)), in two ops fewer
+            half = self.sin.shape[-1] // 2
+            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
 
         # In bfloat16 (or float16) on a CPU, torch multiplies through oneDNN, which builds and
         # keeps a kernel for every row count it meets (an LRU of up to 1,024 of them): a
@@ -335,11 +339,9 @@ class LlamaWeights:
         return weight * x32.to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (..., n, hd), cos/sin (n, hd)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """Rotary positions: x (..., n, hd), cos and `sin_signed` (n, hd) at x's positions."""
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class _Tree(NamedTuple):
@@ -442,19 +444,19 @@ class BatchLlama(LlamaWeights):
         self.k_slots[slot], self.v_slots[slot] = k, v
         return k, v
 
-    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor,
+    def _attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
-        """h (B, n, D) at positions (B, n); rows: per row (its slot's keys, values, start, new
+        """h (B, n, D); rope: cos and sin_signed at its positions (B, 1, n, hd), gathered once
+        per pass; rows: per row (its slot's keys, values, start, new
         tokens, scored tokens, token tree or None). Each row writes its new keys/values by
         position into its own slot (entries past its committed length are stale, overwritten
         later) and attends over them alone: causally, or (a token tree) as its mask allows."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
-        q, k, v = self._mm(h, w["qkv"]).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, n, hd)
-        q = self._rope(q.view(n_rows, n, self.n_heads, hd).transpose(1, 2), cos, sin)  # (B, Hq, n, hd)
-        k = self._rope(k.view(n_rows, n, self.n_kv, hd).transpose(1, 2), cos, sin)  # (B, Hkv, n, hd)
-        v = v.view(n_rows, n, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, n, hd)
+        heads = self._mm(h, w["qkv"]).view(n_rows, n, -1, hd).transpose(1, 2)  # (B, Hq + 2 Hkv, n, hd)
+        qk = self._rope(heads[:, : self.n_heads + self.n_kv], *rope)  # queries and keys rotated at once
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (B, Hq, n, hd), (B, Hkv, n, hd)
+        v = heads[:, self.n_heads + self.n_kv :]  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
         # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
         # by itself) has no padding: its attention is the output, nothing to fill or copy.
@@ -557,8 +559,9 @@ class BatchLlama(LlamaWeights):
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
         kept: list[torch.Tensor] = []
+        rope = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, n, hd)
         for i, w in enumerate(self.layers[:layers]):
-            x = x + self._attention(i, self._norm(x, w["in_norm"]), positions, rows)
+            x = x + self._attention(i, self._norm(x, w["in_norm"]), rope, rows)
             x = x + self._mlp(x, w)
             if i in capture:
                 kept.append(x.float())

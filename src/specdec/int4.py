@@ -121,7 +121,7 @@ class Int4Weight:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros).float()
             out = part if out is None else out + part
         assert out is not None
-        return out[:, : self.out_rows]
+        return out if out.shape[1] == self.out_rows else out[:, : self.out_rows]
 
     def mm(self, x: torch.Tensor, rows: str = "none") -> torch.Tensor:
         """x (..., K) @ W.T in x's dtype. rows: "none" (all rows in one product) or "solo"
@@ -134,7 +134,9 @@ class Int4Weight:
             out = torch.cat([self._product(flat[i : i + 1]) for i in range(flat.shape[0])])
         else:
             out = self._product(flat)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_rows)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_rows)
 
 
 # ----------------------------------------------------------------- rows

@@ -88,7 +88,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
         allowed = torch.arange(col + m, device=dev)[None, None] >= pad[:, None, None]  # (B, 1, T): not padding
         allowed = allowed & (torch.arange(col + m, device=dev)[None, :] <= cols[:, None])[None]  # causal (B, m, T)
         mask = allowed[:, None]  # (B, 1, m, T)
-        cos, sin = lm.cos[positions][:, None], lm.sin[positions][:, None]
+        cos, sin = lm.cos[positions][:, None], lm.sin_signed[positions][:, None]
         x = lm.embed[x_ids]
         for i, w in enumerate(lm.layers):
             h = lm._norm(x, w["in_norm"])

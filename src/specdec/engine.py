@@ -296,7 +296,7 @@ class SpeculativeDecoder:
         from specdec.defaults import cpu_model
 
         model = getattr(self.target, "model", None)
-        return {"version": 3, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 4, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,

@@ -182,7 +182,7 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         a = b
     parts += [F.scaled_dot_product_attention(q[:, :, j:j + 1], keys[:, :, :start + j + 1],
                                              values[:, :, :start + j + 1], enable_gqa=gqa) for j in range(lead, n)]
-    return torch.cat(parts, dim=2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one part (a one-token step): no copy
 
 
 class LlamaWeights:

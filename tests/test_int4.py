@@ -168,8 +168,9 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
     # the stored step costs of an int4 target are its own, never a float32 target's
     float32 = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=4)
     assert decoder.costs_key()["int4"] and not float32.costs_key()["int4"]
-    assert {k: v for k, v in decoder.costs_key().items() if k != "int4"} == \
-        {k: v for k, v in float32.costs_key().items() if k != "int4"}
+    assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in ("blocks8", "blocks", "torch")
+    assert {k: v for k, v in decoder.costs_key().items() if not k.startswith("int4")} == \
+        {k: v for k, v in float32.costs_key().items() if not k.startswith("int4")}
 
 
 def test_the_default_dtype_is_int4_for_a_gguf_target_and_float32_for_other_models(tiny_pair):
@@ -206,3 +207,44 @@ def test_sampled_int4_speculation_fits_the_int4_targets_exact_distribution(tiny_
     counts = sample_continuations(decoder, prompt, 2, 600, temperature=1.0)
     result = goodness_of_fit(counts, exact, alpha=ALPHA)
     assert result.passed, result.verdict
+
+
+# ----------------------------------------------------------------- (f) the kernel choice
+def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weights(monkeypatch):
+    """SPECDEC_INT4_KERNEL picks PyTorch's kernel or the blocks one (where it builds); a bad
+    name is an error that lists the choices. Both multiply what the codes hold: the blocks
+    kernel within float32 rounding of the exact product (weights de-quantized exactly, float32
+    activations), PyTorch's within bfloat16's; the head's rows sliced off are never multiplied."""
+    from specdec import qgemm
+    from specdec.int4 import kernel_choice
+
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
+    for make in (quantize_q4_1, quantize_q8_0):
+        codes = make(w)
+        blocks = codes[0].blocks
+        dense = (qgemm.dequantize_q4_1 if blocks.kind == "Q4_1" else qgemm.dequantize_q8_0)(blocks.data)
+        exact = x.double() @ dense.double().T
+        monkeypatch.setenv("SPECDEC_INT4_KERNEL", "torch")
+        assert kernel_choice() == "torch"
+        slow = Int4Weight(codes)
+        assert slow.kernel == "torch" and slow.blocks is None
+        scale = float(exact.abs().max())
+        assert float((slow.mm(x).double() - exact).abs().max()) < 2 ** -6 * scale
+        if not qgemm.available():
+            continue
+        # float32 activations: within float32 rounding; int8 activations: within their quantization
+        for kernel, tol in (("blocks", 2 ** -18 * scale * 96), ("blocks8", 2 ** -6 * scale)):
+            monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
+            fast = Int4Weight(codes)
+            assert fast.kernel == kernel and not fast.planes
+            assert float((fast.mm(x).double() - exact).abs().max()) < tol
+            head = fast.first_rows(150)
+            assert head.blocks is not None and head.blocks.data.shape[0] == 150
+            assert torch.equal(head.mm(x), fast.mm(x)[:, :150])
+            assert fast.nbytes == codes[0].blocks.data.numel()
+        monkeypatch.delenv("SPECDEC_INT4_KERNEL")
+        assert kernel_choice() == "blocks8"  # the default where the extension builds
+    monkeypatch.setenv("SPECDEC_INT4_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="auto, blocks8, blocks, torch"):
+        kernel_choice()

@@ -289,6 +289,12 @@ class SpeculativeDecoder:
             return "int4"
         return str(getattr(getattr(self.target, "model", None), "dtype", "float32")).removeprefix("torch.")
 
+    @property
+    def weights_detail(self) -> str:
+        """`weights`, naming the 4-bit kernel where it is int4: "int4 (blocks kernel)" or "int4 (torch kernel)"."""
+        kernel = getattr(self.target, "int4_kernel", "")
+        return f"int4 ({kernel} kernel)" if self.weights == "int4" and kernel else self.weights
+
     def costs_key(self) -> dict[str, Any]:
         """What the step costs depend on: the models, prophets, K, precision, device and machine."""
         import platform
@@ -298,6 +304,7 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         return {"version": 4, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
+                "int4_kernel": str(getattr(self.target, "int4_kernel", "")),
                 "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),

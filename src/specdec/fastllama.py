@@ -253,6 +253,9 @@ class LlamaWeights:
         # The 4-bit products' rows: "none" where the int4 kernel computes each row alike
         # whatever the row count (probed once per shapes), else "solo" (each row alone).
         self.int4_rows = self._probe_int4_rows() if self.int4 else "none"
+        # Which kernel the 4-bit products run on ("blocks" or "torch", see specdec.int4.kernel_choice)
+        self.int4_kernel = next((w.kernel for w in (*self.layers[0].values(), self.lm_head)
+                                 if isinstance(w, Int4Weight)), "") if self.int4 and self.layers else ""
 
     def _probe_rows(self) -> str:
         layer = self.layers[0]

@@ -33,6 +33,14 @@ one-token steps would.
 Cost: the kernel de-quantizes the weights once per block of 4 rows, so a product of M
 rows costs about ceil(M/4) one-row products (a float32 product of a few rows costs about
 one): 4-bit steps are cheap, verification passes much less so.
+
+The blocks kernels (`specdec.qgemm`, built for this CPU on first use; `kernel_choice`) read the
+GGUF blocks as they are (Q8_0 as one 8-bit plane, not two 4-bit ones), each block unpacked once
+per tile of rows. "blocks8", the default: the activations quantized to int8 per block of 32
+(llama.cpp's scheme: dx = max|x| / 127) and integer dot products (vpdpbusd on AVX-512 VNNI);
+"blocks": float32 activations (not bfloat16) by weights de-quantized exactly (w = fma(d, q, m)).
+Both keep rows invariant by construction (one fixed float order per output element, whatever
+the row count, thread count or instruction set; the same probe checks it).
 """
 
 from __future__ import annotations
@@ -52,14 +60,54 @@ _ROWS_ALIGN = 16  # the kernel takes output rows in blocks of 16..64
 _INNER_K_TILES = 2  # the CPU packing's argument (K must be a multiple of 16 * this)
 
 
+KERNELS = ("auto", "blocks8", "blocks", "torch")
+
+
+def kernel_choice() -> str:
+    """Which kernel 4-bit products run on: "blocks8" (`specdec.qgemm`'s int8 kernel: activations
+    quantized to int8 blocks as llama.cpp does, integer dot products; the fastest, the default),
+    "blocks" (its float kernel: float32 activations, weights de-quantized exactly) or "torch"
+    (PyTorch's int4 kernel: bfloat16 activations), where the extension does not build (it is
+    compiled here on first use). SPECDEC_INT4_KERNEL chooses; a blocks kernel where the extension
+    cannot build is an error that says why."""
+    import os
+
+    want = os.environ.get("SPECDEC_INT4_KERNEL", "auto").strip().lower() or "auto"
+    if want not in KERNELS:
+        raise ValueError(f"SPECDEC_INT4_KERNEL must be one of {', '.join(KERNELS)}, got {want!r}")
+    if want == "torch":
+        return "torch"
+    from specdec import qgemm
+
+    if qgemm.available():
+        return "blocks8" if want == "auto" else want
+    if want != "auto":
+        raise ValueError(f"SPECDEC_INT4_KERNEL={want}, but the kernel does not build here: {qgemm.why_unavailable()}")
+    return "torch"
+
+
+@dataclass
+class Blocks:
+    """A whole (N, K) weight as GGUF blocks, for `specdec.qgemm`'s kernel: kind "Q4_1"
+    (N, K/32, 20) or "Q8_0" (N, K/32, 34) uint8, the file's own bytes (rows in Hugging Face's order)."""
+
+    kind: str
+    data: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        return Blocks(self.kind, self.data[index])
+
+
 @dataclass
 class Codes:
     """One 4-bit plane of a (N, K) weight before packing: w = (q - 8) * scale + zero per group
-    of 32 along K. q (N, K) uint8 in 0..15; scale, zero (N, K/32) float32."""
+    of 32 along K. q (N, K) uint8 in 0..15; scale, zero (N, K/32) float32. The first plane of
+    a weight may carry `blocks`: the whole weight (all its planes) as GGUF blocks."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    blocks: Blocks | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 (N, K) weights this plane holds, scales and zeros as the kernel reads them (bf16)."""
@@ -68,25 +116,44 @@ class Codes:
         return (self.q.float() - 8) * s + z
 
     def rows(self, index: torch.Tensor) -> Codes:
-        return Codes(self.q[index], self.scale[index], self.zero[index])
+        blocks = self.blocks.rows(index) if self.blocks is not None else None
+        return Codes(self.q[index], self.scale[index], self.zero[index], blocks)
 
 
 def cat_codes(parts: Sequence[Sequence[Codes]]) -> list[Codes]:
-    """Planes of weights stacked along N (a fused product), plane by plane."""
-    return [Codes(torch.cat([p[i].q for p in parts]), torch.cat([p[i].scale for p in parts]),
-                  torch.cat([p[i].zero for p in parts])) for i in range(len(parts[0]))]
+    """Planes of weights stacked along N (a fused product), plane by plane (and their blocks,
+    where every part has blocks of one kind)."""
+    planes = [Codes(torch.cat([p[i].q for p in parts]), torch.cat([p[i].scale for p in parts]),
+                    torch.cat([p[i].zero for p in parts])) for i in range(len(parts[0]))]
+    blocks = [p[0].blocks for p in parts]
+    if all(b is not None for b in blocks) and len({b.kind for b in blocks if b is not None}) == 1:
+        planes[0].blocks = Blocks(blocks[0].kind, torch.cat([b.data for b in blocks if b is not None]))  # type: ignore[union-attr]
+    return planes
 
 
 class Int4Weight:
     """A (rows, K) weight held as 4-bit planes for the CPU int4 kernel: x @ W.T is the sum
-    of the planes' products (one plane for Q4_1, two for Q8_0), in x's dtype."""
+    of the planes' products (one plane for Q4_1, two for Q8_0), in x's dtype.
+
+    Where the planes carry the weight's GGUF blocks and `specdec.qgemm` builds on this machine
+    (`kernel_choice`), the product runs on the blocks instead ("blocks8": int8 activations,
+    integer dot products; "blocks": float32 activations, weights de-quantized exactly; each
+    block unpacked once for all rows of a product) and the planes are not packed for PyTorch's
+    kernel ("torch")."""
 
     def __init__(self, planes: Sequence[Codes]) -> None:
         n, k = planes[0].q.shape
         if k % GROUP or k % (16 * _INNER_K_TILES):
             raise ValueError(f"int4 weights need K a multiple of {GROUP}, got {k}")
-        pad = -n % _ROWS_ALIGN
+        self.shape = torch.Size((n, k))
+        self.out_rows = n  # rows returned: the first `out_rows` (see first_rows)
         self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kernel = kernel_choice()
+        self.blocks: Blocks | None = planes[0].blocks if kernel != "torch" else None
+        self.kernel = kernel if self.blocks is not None else "torch"
+        if self.blocks is not None:
+            return
+        pad = -n % _ROWS_ALIGN
         with torch.no_grad():
             for p in planes:
                 q, scale, zero = p.q.to(torch.int32), p.scale.float(), p.zero.float()
@@ -97,12 +164,12 @@ class Int4Weight:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INNER_K_TILES)
                 scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
                 self.planes.append((packed, scales_zeros))  # scales_zeros (K/32, N, 2)
-        self.shape = torch.Size((n, k))
-        self.out_rows = n  # rows returned: the first `out_rows` (see first_rows)
 
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads: packed codes, scales and zeros."""
+        """Bytes one product reads: packed codes, scales and zeros (or the blocks)."""
+        if self.blocks is not None:
+            return self.blocks.data.numel()
         return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.planes)
 
     def first_rows(self, n: int) -> Int4Weight:
@@ -112,10 +179,20 @@ class Int4Weight:
         other = object.__new__(Int4Weight)
         other.__dict__.update(self.__dict__)
         other.out_rows, other.shape = n, torch.Size((n, self.shape[1]))
+        if self.blocks is not None:  # the rows past n are never multiplied
+            other.blocks = Blocks(self.blocks.kind, self.blocks.data[:n])
         return other
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (M, K) bfloat16 -> (M, out_rows) float32."""
+        """flat (M, K) -> (M, out_rows) float32 (flat bfloat16 for PyTorch's kernel, float32 for the blocks')."""
+        if self.blocks is not None:
+            from specdec import qgemm
+
+            if self.kernel == "blocks8":
+                mm = qgemm.q4_1_mm8 if self.blocks.kind == "Q4_1" else qgemm.q8_0_mm8
+            else:
+                mm = qgemm.q4_1_mm if self.blocks.kind == "Q4_1" else qgemm.q8_0_mm
+            return mm(flat, self.blocks.data)
         out: torch.Tensor | None = None
         for packed, scales_zeros in self.planes:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros).float()
@@ -127,7 +204,8 @@ class Int4Weight:
         """x (..., K) @ W.T in x's dtype. rows: "none" (all rows in one product) or "solo"
         (each row alone, where the kernel's rows depend on the row count; see int4_row_policy)."""
         k = self.shape[1]
-        flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        act = torch.float32 if self.blocks is not None else torch.bfloat16
+        flat = x.reshape(-1, k).to(act).contiguous()
         if flat.shape[0] == 0:
             out = flat.new_zeros(0, self.out_rows, dtype=torch.float32)
         elif rows == "solo":
@@ -175,18 +253,27 @@ def int4_row_policy(weights: Sequence[Int4Weight], head: Int4Weight | None = Non
 
 
 # ----------------------------------------------------------------- codes from blocks
-def q4_1_codes(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> list[Codes]:
-    """Q4_1 (w = d*q + m; d, m (N, K/32), q (N, K) in 0..15) as one plane."""
+def q4_1_codes(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, raw: torch.Tensor | None = None) -> list[Codes]:
+    """Q4_1 (w = d*q + m; d, m (N, K/32) fp16, q (N, K) in 0..15) as one plane, carrying its
+    blocks (raw: the file's bytes (N, K/32, 20), else packed here)."""
+    from specdec.qgemm import pack_q4_1
+
+    q = q.to(torch.uint8)
+    blocks = Blocks("Q4_1", raw if raw is not None else pack_q4_1(d.half(), m.half(), q))
     d, m = d.float(), m.float()
-    return [Codes(q.to(torch.uint8), d, m + 8 * d)]
+    return [Codes(q, d, m + 8 * d, blocks)]
 
 
-def q8_0_codes(d: torch.Tensor, q: torch.Tensor) -> list[Codes]:
-    """Q8_0 (w = d*q; d (N, K/32), q (N, K) int8) as two planes: hi+8 (scale 16d, zero 0)
-    and lo (scale d, zero 8d), where q = 16*hi + lo, lo = q & 15 in 0..15, hi = q >> 4 in -8..7."""
+def q8_0_codes(d: torch.Tensor, q: torch.Tensor, raw: torch.Tensor | None = None) -> list[Codes]:
+    """Q8_0 (w = d*q; d (N, K/32) fp16, q (N, K) int8) as two planes: hi+8 (scale 16d, zero 0)
+    and lo (scale d, zero 8d), where q = 16*hi + lo, lo = q & 15 in 0..15, hi = q >> 4 in -8..7;
+    the first carries the blocks (raw: the file's bytes (N, K/32, 34), else packed here)."""
+    from specdec.qgemm import pack_q8_0
+
+    blocks = Blocks("Q8_0", raw if raw is not None else pack_q8_0(d.half(), q.to(torch.int8)))
     d, q = d.float(), q.to(torch.int16)
     lo, hi = q & 15, q >> 4
-    return [Codes((hi + 8).to(torch.uint8), 16 * d, torch.zeros_like(d)), Codes(lo.to(torch.uint8), d, 8 * d)]
+    return [Codes((hi + 8).to(torch.uint8), 16 * d, torch.zeros_like(d), blocks), Codes(lo.to(torch.uint8), d, 8 * d)]
 
 
 def quantize_q4_1(w: torch.Tensor) -> list[Codes]:
@@ -217,7 +304,7 @@ def read_q4_1(raw: np.ndarray, n: int, k: int) -> list[Codes]:
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     qs = blocks[..., 4:20]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
-    return q4_1_codes(d, m, torch.from_numpy(q))
+    return q4_1_codes(d, m, torch.from_numpy(q), torch.from_numpy(blocks.copy()))
 
 
 def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
@@ -225,7 +312,7 @@ def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 34)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
     q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
-    return q8_0_codes(d, q)
+    return q8_0_codes(d, q, torch.from_numpy(blocks.copy()))
 
 
 _READERS = {"Q4_1": read_q4_1, "Q8_0": read_q8_0}

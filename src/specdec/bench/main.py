@@ -204,7 +204,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
                                   title=f"{main.name}, {tag}: one generation"))
     peers = ({"peers": peer_summary(runs, configs, rows, greedy, peer_info(runner))}
              if any(c.kind == "peer" for c in configs) else {})
-    return {"mode": tag, "settings": settings, "target_weights": plain.weights, "costs": costs, "rows": rows,
+    return {"mode": tag, "settings": settings, "target_weights": plain.weights_detail, "costs": costs, "rows": rows,
             "roofline": _roofline(runner, configs),
             "by_category": cats, **peers,
             "plots": [Path(p).name for p in pics],  # beside bench.json
@@ -414,7 +414,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     line = _roofline(runner, configs)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
-              "device": getattr(args, "device", "cpu"), "target_dtype": plain.weights,
+              "device": getattr(args, "device", "cpu"), "target_dtype": plain.weights_detail,
               "questions_file": display_name(str(args.questions)), "per_task": per_task,
               "prompt_format": "chat template" if chat else "raw text (the target has no chat template)",
               "prompts_cut": cut, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
@@ -439,7 +439,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
         md.append(specbench_markdown(res["tasks"], f"### {res['mode']}"))
         md.append(markdown(res["rows"], {}, [], "All questions, per configuration (the bench's usual figures):"))
         if "peers" in res:
-            md.append(peers_markdown(res["peers"], plain.weights))
+            md.append(peers_markdown(res["peers"], plain.weights_detail))
         table = Table(title=f"specdec bench --suite spec-bench ({res['mode']})")
         for key in ["config", "task", "n", "speedup", "min-max", "tok/pass", "accept", "same"]:
             table.add_column(key)
@@ -455,7 +455,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
                               f"from plain decoding on {len(r['mismatches'])} question(s): "
                               f"{', '.join(r['mismatches'])}; their speedups are withheld[/]")
         if "peers" in res:
-            console.print(peers_markdown(res["peers"], plain.weights), markup=False)
+            console.print(peers_markdown(res["peers"], plain.weights_detail), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
     console.print(f"machine: {machine_line(machine)}")
     console.print(f"wrote bench.json and bench.md to {out_dir} in {time.perf_counter() - t0:.0f}s")

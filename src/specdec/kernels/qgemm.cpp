@@ -1,0 +1,440 @@
+// Matrix products of float32 activations with GGUF block weights (Q4_1, Q8_0), on the CPU.
+//
+//   y (M, N) = x (M, K) @ W.T, W (N, K) held as the file's own blocks of 32 weights:
+//   Q4_1: 20 bytes a block: fp16 d, fp16 m, 16 bytes qs; w[j] = fma(d, qs[j] & 15, m), w[j+16] = fma(d, qs[j] >> 4, m)
+//   Q8_0: 34 bytes a block: fp16 d, 32 int8 q;           w[j] = d * q[j]
+//
+// Every weight block is de-quantized (float32, d and m converted from fp16 exactly) once per tile of up to
+// 6 activation rows and applied to all of them (Q4_1 through a 16-entry table lut[v] = fma(d, v, m) and
+// vpermps), so a product of a few rows pays for the unpacking once; what remains per row is 2 FMAs a block.
+//
+// Exactness. Each output element is computed by one fixed sequence of float operations, whatever M, the
+// other rows, the tiling, the thread count or the instruction set (scalar, AVX2, AVX-512: all three give
+// the same bits):
+//   32 partial sums S[l] (one per position l of a block), S[l] = fma(x[32b + l], w[32b + l], S[l]) over the
+//   blocks b in order, from S = 0; then T[l] = S[l] + S[l+16] (l < 16), U[l] = T[l] + T[l+8] (l < 8),
+//   V[l] = U[l] + U[l+4] (l < 4), y = (V[0] + V[2]) + (V[1] + V[3]).
+// Rows are only ever tiled (never treated differently by count), and the work is split over N only.
+// Build with -ffp-contract=off so that the scalar code is not contracted differently from the intrinsics.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QGEMM_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(QGEMM_AVX2)
+#define QGEMM_AVX512 1
+#endif
+
+#include "qgemm_common.h"
+
+namespace {
+
+
+
+
+
+// One product. The activations are repacked by tiles of rows: a tile of mt rows starting at row r0 lies at
+// xp + r0 * K as (K/32, mt, 32) floats, so that the rows of a block are contiguous (fixed offsets, one stream).
+struct Args {
+  const float* xp;   // (M, K) repacked by tiles
+  const uint8_t* w;  // (N, K/32, bytes)
+  float* out;        // (M, N)
+  int64_t K;
+  int64_t N;
+  int64_t row_bytes;  // K/32 * bytes
+};
+
+// The tile of rows at x row r0 (mt rows, (K/32, mt, 32)) into xp.
+inline void pack_tile(const float* x, int64_t K, int64_t r0, int mt, float* xp) {
+  const int64_t KB = K / QK;
+  float* dst = xp + r0 * K;
+  for (int64_t b = 0; b < KB; ++b)
+    for (int r = 0; r < mt; ++r) std::memcpy(dst + (b * mt + r) * QK, x + (r0 + r) * K + b * QK, QK * sizeof(float));
+}
+
+// ------------------------------------------------------------------------------------------------ scalar
+
+inline float reduce32(const float* S) {
+  float T[16], U[8], V[4];
+  for (int l = 0; l < 16; ++l) T[l] = S[l] + S[l + 16];
+  for (int l = 0; l < 8; ++l) U[l] = T[l] + T[l + 8];
+  for (int l = 0; l < 4; ++l) V[l] = U[l] + U[l + 4];
+  const float w0 = V[0] + V[2];
+  const float w1 = V[1] + V[3];
+  return w0 + w1;
+}
+
+template <Fmt F>
+inline void dequant_scalar(const uint8_t* blk, float* w) {
+  if constexpr (F == Q4_1) {
+    const float d = half_to_float(blk);
+    const float m = half_to_float(blk + 2);
+    const uint8_t* qs = blk + 4;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = std::fma(d, static_cast<float>(qs[j] & 15), m);
+      w[j + 16] = std::fma(d, static_cast<float>(qs[j] >> 4), m);
+    }
+  } else {
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
+  }
+}
+
+constexpr int SCALAR_TILE = 8;
+
+template <Fmt F>
+void tile_scalar(const Args& a, int64_t r0, int mt, int64_t n) {
+  constexpr int64_t BB = block_bytes<F>();
+  const int64_t KB = a.K / QK;
+  float S[SCALAR_TILE][32] = {};
+  float w[32];
+  const uint8_t* row = a.w + n * a.row_bytes;
+  for (int64_t b = 0; b < KB; ++b) {
+    dequant_scalar<F>(row + b * BB, w);
+    const float* xb = a.xp + r0 * a.K + b * mt * QK;
+    for (int r = 0; r < mt; ++r)
+      for (int l = 0; l < 32; ++l) S[r][l] = std::fma(xb[r * QK + l], w[l], S[r][l]);
+  }
+  for (int r = 0; r < mt; ++r) a.out[(r0 + r) * a.N + n] = reduce32(S[r]);
+}
+
+// ------------------------------------------------------------------------------------------------ AVX2
+
+#ifdef QGEMM_AVX2
+
+// A Q4_1 block's d and m (its first 4 bytes) as floats [d, m, 0, 0]: one load and one conversion.
+inline __m128 load_dm(const uint8_t* blk) {
+  uint32_t v;
+  std::memcpy(&v, blk, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(v)));
+}
+
+// V[l] = U[l] + U[l+4], then (V0 + V2) + (V1 + V3).
+inline float reduce_u8(__m256 u) {
+  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+  const __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+}
+
+// The 16 weights of half h (h = 0: positions 0..15, h = 1: 16..31) of one block, as two vectors of 8.
+template <Fmt F>
+inline void dequant_avx2(const uint8_t* blk, int h, __m256& w0, __m256& w1) {
+  if constexpr (F == Q4_1) {
+    const __m128 dm = load_dm(blk);
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    __m256i q0 = _mm256_cvtepu8_epi32(raw);
+    __m256i q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+    if (h == 0) {
+      const __m256i mask = _mm256_set1_epi32(15);
+      q0 = _mm256_and_si256(q0, mask);
+      q1 = _mm256_and_si256(q1, mask);
+    } else {
+      q0 = _mm256_srli_epi32(q0, 4);
+      q1 = _mm256_srli_epi32(q1, 4);
+    }
+    w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q0), m);
+    w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q1), m);
+  } else {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+    const uint8_t* q = blk + 2 + 16 * h;
+    const __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q0));
+    w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q1));
+  }
+}
+
+constexpr int AVX2_TILE = 5;  // rows a tile: 2 accumulators a row and a pass (positions 0..15, then 16..31)
+
+template <Fmt F, int MT>
+void tile_avx2(const Args& a, int64_t r0, int64_t n) {
+  constexpr int64_t BB = block_bytes<F>();
+  const int64_t KB = a.K / QK;
+  const uint8_t* row = a.w + n * a.row_bytes;
+  const float* x = a.xp + r0 * a.K;
+  __m256 first[MT][2];
+  __m256 acc[MT][2];
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; ++b) {
+      __m256 w0, w1;
+      dequant_avx2<F>(row + b * BB, h, w0, w1);
+      const float* xb = x + b * MT * QK + 16 * h;
+      for (int r = 0; r < MT; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK), w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8), w1, acc[r][1]);
+      }
+    }
+    if (h == 0) {
+      for (int r = 0; r < MT; ++r) {
+        first[r][0] = acc[r][0];
+        first[r][1] = acc[r][1];
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m256 t_lo = _mm256_add_ps(first[r][0], acc[r][0]);  // T[0..7]
+    const __m256 t_hi = _mm256_add_ps(first[r][1], acc[r][1]);  // T[8..15]
+    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
+  }
+}
+
+template <Fmt F>
+void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n) {
+  switch (mt) {
+    case 1: return tile_avx2<F, 1>(a, r0, n);
+    case 2: return tile_avx2<F, 2>(a, r0, n);
+    case 3: return tile_avx2<F, 3>(a, r0, n);
+    case 4: return tile_avx2<F, 4>(a, r0, n);
+    default: return tile_avx2<F, 5>(a, r0, n);
+  }
+}
+
+#endif  // QGEMM_AVX2
+
+// ------------------------------------------------------------------------------------------------ AVX-512
+
+#ifdef QGEMM_AVX512
+
+inline float reduce512(__m512 s_lo, __m512 s_hi) {
+  const __m512 t = _mm512_add_ps(s_lo, s_hi);
+  const __m256 t_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
+  const __m256 u = _mm256_add_ps(_mm512_castps512_ps256(t), t_hi);
+  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+  const __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+}
+
+template <Fmt F>
+inline void dequant512(const uint8_t* blk, __m512& w_lo, __m512& w_hi) {
+  if constexpr (F == Q4_1) {
+    // lut[v] = fma(d, v, m) for v in 0..15, then each weight is a look-up of its code (the same value as
+    // fma(d, q, m) computed per weight). vpermps reads the low 4 bits of each index.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128 dm = load_dm(blk);
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    const __m512 lut = _mm512_fmadd_ps(d, iota, m);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    w_lo = _mm512_permutexvar_ps(q, lut);
+    w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+  } else {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)));
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+    w_lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0));
+    w_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1));
+  }
+}
+
+// Weight rows a group, by tile height. Measured on Zen 4 with the weights streamed from DRAM (a model's
+// matrices, all layers, do not stay in cache): one stream of blocks reads fastest, two rows a group pay off
+// only from 4 rows a tile (fewer loads of x a multiply-add).
+constexpr int nb512(int mt) { return mt <= 3 ? 1 : 2; }
+// Rows a tile: all of them up to AVX512_SINGLE, else tiles of at most AVX512_TILE (measured on Zen 4: taller
+// tiles run slower than two tiles of two weight rows).
+constexpr int AVX512_SINGLE = 6;
+constexpr int AVX512_TILE = 5;
+
+template <Fmt F, int MT, int NB>
+void tile512(const Args& a, int64_t r0, int64_t n0) {
+  constexpr int64_t BB = block_bytes<F>();
+  const int64_t KB = a.K / QK;
+  const float* x = a.xp + r0 * a.K;
+  const uint8_t* rows[NB];
+  for (int j = 0; j < NB; ++j) rows[j] = a.w + (n0 + j) * a.row_bytes;
+  __m512 lo[MT][NB], hi[MT][NB];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < NB; ++j) lo[r][j] = hi[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const float* xb = x + b * MT * QK;
+    __m512 w_lo[NB], w_hi[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* blk = rows[j] + b * BB;
+      // The same place in the next group's rows: a group ahead of where the hardware prefetcher is.
+      _mm_prefetch(reinterpret_cast<const char*>(blk + NB * a.row_bytes), _MM_HINT_T0);
+      dequant512<F>(blk, w_lo[j], w_hi[j]);
+    }
+    for (int r = 0; r < MT; ++r) {
+      const __m512 x_lo = _mm512_loadu_ps(xb + r * QK);
+      const __m512 x_hi = _mm512_loadu_ps(xb + r * QK + 16);
+      for (int j = 0; j < NB; ++j) {
+        lo[r][j] = _mm512_fmadd_ps(x_lo, w_lo[j], lo[r][j]);
+        hi[r][j] = _mm512_fmadd_ps(x_hi, w_hi[j], hi[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < NB; ++j) a.out[(r0 + r) * a.N + n0 + j] = reduce512(lo[r][j], hi[r][j]);
+}
+
+// Weight rows [n0, n1) against one tile of rows: groups of nb512(MT) rows, then single rows.
+template <Fmt F, int MT>
+void rows512(const Args& a, int64_t r0, int64_t n0, int64_t n1) {
+  constexpr int NB = nb512(MT);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) tile512<F, MT, NB>(a, r0, n);
+  for (; n < n1; ++n) tile512<F, MT, 1>(a, r0, n);
+}
+
+template <Fmt F>
+void dispatch512(const Args& a, int64_t r0, int mt, int64_t n0, int64_t n1) {
+  switch (mt) {
+    case 1: return rows512<F, 1>(a, r0, n0, n1);
+    case 2: return rows512<F, 2>(a, r0, n0, n1);
+    case 3: return rows512<F, 3>(a, r0, n0, n1);
+    case 4: return rows512<F, 4>(a, r0, n0, n1);
+    case 5: return rows512<F, 5>(a, r0, n0, n1);
+    default: return rows512<F, 6>(a, r0, n0, n1);
+  }
+}
+
+#endif  // QGEMM_AVX512
+
+// ------------------------------------------------------------------------------------------------ driver
+
+Impl best_impl() {
+#if defined(QGEMM_AVX512)
+  return AVX512;
+#elif defined(QGEMM_AVX2)
+  return AVX2;
+#else
+  return SCALAR;
+#endif
+}
+
+bool compiled(Impl impl) {
+  switch (impl) {
+    case SCALAR: return true;
+#ifdef QGEMM_AVX2
+    case AVX2: return true;
+#endif
+#ifdef QGEMM_AVX512
+    case AVX512: return true;
+#endif
+    default: return false;
+  }
+}
+
+// Tiles of rows: all M rows in one tile up to `single`, else ceil(M / tile) tiles of near-equal height.
+
+constexpr int64_t N_UNIT = 16;  // weight rows a unit of the parallel split
+
+template <Fmt F>
+void run(const float* x, int64_t M, Args a, Impl impl) {
+  int single = SCALAR_TILE, tile = SCALAR_TILE;
+#ifdef QGEMM_AVX512
+  if (impl == AVX512) single = AVX512_SINGLE, tile = AVX512_TILE;
+#endif
+#ifdef QGEMM_AVX2
+  if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
+#endif
+  const auto tiles = row_tiles(M, single, tile);
+  std::vector<float> xp(static_cast<size_t>(M * a.K));
+  for (const auto& t : tiles) pack_tile(x, a.K, t.first, t.second, xp.data());
+  a.xp = xp.data();
+  const int64_t units = (a.N + N_UNIT - 1) / N_UNIT;
+  // At least ~64K weight-row products a task, so that small products stay on one thread.
+  const int64_t per_unit = N_UNIT * a.K * std::max<int64_t>(M, 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_unit);
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * N_UNIT;
+    const int64_t n1 = std::min(a.N, u1 * N_UNIT);
+    switch (impl) {
+#ifdef QGEMM_AVX512
+      case AVX512: {
+        // A few weight rows at a time against every tile, so that a group's blocks stay in L1.
+        constexpr int64_t GROUP = 4;
+        for (int64_t g = n0; g < n1; g += GROUP) {
+          const int64_t g1 = std::min(n1, g + GROUP);
+          for (const auto& t : tiles) dispatch512<F>(a, t.first, t.second, g, g1);
+        }
+        break;
+      }
+#endif
+#ifdef QGEMM_AVX2
+      case AVX2:
+        for (int64_t n = n0; n < n1; ++n)
+          for (const auto& t : tiles) dispatch_avx2<F>(a, t.first, t.second, n);
+        break;
+#endif
+      default:
+        for (int64_t n = n0; n < n1; ++n)
+          for (const auto& t : tiles) tile_scalar<F>(a, t.first, t.second, n);
+        break;
+    }
+  });
+}
+
+torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl_arg) {
+  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
+  const char* name = fmt == Q4_1 ? "q4_1_mm" : "q8_0_mm";
+  const int64_t bytes = fmt == Q4_1 ? 20 : 34;
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, name, ": x must be 2-D (M, K), got ", x.dim(), " dimensions");
+  TORCH_CHECK(x.is_contiguous(), name, ": x must be contiguous");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8, got ", blocks.scalar_type());
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == bytes, name, ": blocks must have shape (N, K/32, ", bytes,
+              "), got ", blocks.sizes());
+  TORCH_CHECK(blocks.is_contiguous(), name, ": blocks must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(blocks.size(1) * QK == K, name, ": blocks hold K = ", blocks.size(1) * QK,
+              " inputs a row, x has K = ", K);
+  Impl impl = impl_arg == AUTO ? best_impl() : static_cast<Impl>(impl_arg);
+  TORCH_CHECK(compiled(impl), name, ": implementation ", impl_arg, " is not compiled in this build");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const Args a{nullptr, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), K, N, K / QK * bytes};
+  if (fmt == Q4_1)
+    run<Q4_1>(x.data_ptr<float>(), M, a, impl);
+  else
+    run<Q8_0>(x.data_ptr<float>(), M, a, impl);
+  return out;
+}
+
+torch::Tensor q4_1_mm(const torch::Tensor& x, const torch::Tensor& blocks) { return qmm(x, blocks, Q4_1, AUTO); }
+torch::Tensor q8_0_mm(const torch::Tensor& x, const torch::Tensor& blocks) { return qmm(x, blocks, Q8_0, AUTO); }
+
+std::vector<std::string> impls() {
+  std::vector<std::string> names{"scalar"};
+#ifdef QGEMM_AVX2
+  names.emplace_back("avx2");
+#endif
+#ifdef QGEMM_AVX512
+  names.emplace_back("avx512");
+#endif
+  return names;
+}
+
+}  // namespace
+
+void register_mm8(pybind11::module& m);  // qgemm8.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "float32 x GGUF block weights (Q4_1, Q8_0) matrix products, row-invariant";
+  m.def("q4_1_mm", &q4_1_mm, "x (M, K) float32 @ Q4_1 blocks (N, K/32, 20).T -> (M, N) float32");
+  m.def("q8_0_mm", &q8_0_mm, "x (M, K) float32 @ Q8_0 blocks (N, K/32, 34).T -> (M, N) float32");
+  m.def("qmm", &qmm, "qmm(x, blocks, fmt, impl): fmt 0 Q4_1, 1 Q8_0; impl 0 auto, 1 scalar, 2 avx2, 3 avx512");
+  m.def("impls", &impls, "the implementations compiled in this build, worst to best");
+  register_mm8(m);
+}

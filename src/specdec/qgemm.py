@@ -1,0 +1,297 @@
+"""Matrix products of float32 activations with GGUF 4-bit and 8-bit block weights, on the CPU.
+
+`q4_1_mm(x, blocks)` and `q8_0_mm(x, blocks)` compute x @ W.T for a weight matrix W (N, K) held as
+the blocks of a GGUF file, byte for byte (llama.cpp's layouts, 32 weights a block):
+
+- Q4_1, 20 bytes: fp16 d, fp16 m, 16 bytes qs; w[j] = d * (qs[j] & 15) + m, w[j+16] = d * (qs[j] >> 4) + m
+  (one fused multiply-add: the exact value rounded once to float32);
+- Q8_0, 34 bytes: fp16 d, 32 int8 q; w[j] = d * q[j] (rounded to float32).
+
+The blocks tensor is uint8 (N, K/32, 20) or (N, K/32, 34). The weights are de-quantized in float32 and
+the products accumulated in float32. Each weight block is unpacked once per tile of up to 6 activation
+rows and applied to all of them, so a product of M rows costs far less than M one-row products; what is
+left is the float32 multiply-adds themselves (2 a block and row), which bound the cost of M > 1 rows on
+a CPU whose vector units do one 512-bit FMA a cycle (AMD Zen 4: M = 5 costs ~2.5x one row in cache).
+
+Row invariance: every output element is computed by one fixed sequence of float operations (see the
+C++ source), so row r of a product is bit-for-bit the same whatever the number of rows, the other rows,
+the thread count or the instruction set the kernel was built for (scalar, AVX2, AVX-512).
+
+The kernel is a PyTorch C++ extension (src/specdec/kernels/qgemm.cpp), compiled for this machine
+(-O3 -march=native) on first use and cached under $SPECDEC_CACHE/kernels (default
+~/.cache/specdec/kernels), keyed by a hash of its source, the torch version and the CPU's flags.
+It runs on torch's own thread pool (at::parallel_for) and splits work over N only. `available()` says
+whether it could be built here (x86-64 Linux with a C++ compiler and ninja); `why_unavailable()` why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from specdec.defaults import cache_dir
+
+QK = 32  # weights a block
+Q4_1_BYTES = 20
+Q8_0_BYTES = 34
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCE = KERNELS_DIR / "qgemm.cpp"
+SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp")  # one extension: float32 and int8 activations
+HEADERS = (KERNELS_DIR / "qgemm_common.h",)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
+LDFLAGS = ("-fopenmp",)
+_IMPLS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+_IMPLS8 = {"auto": 0, "scalar": 1, "avx2": 2, "avx512vnni": 3}
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def _cpu_flags() -> str:
+    """The CPU's model name and feature flags (the first processor's), for the build's key."""
+    model = flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = " ".join(sorted(value.split()))
+            if model and flags:
+                break
+    return f"{model}|{flags}"
+
+
+def build_name() -> str:
+    """The extension's name: a hash of its source, the build flags, torch's version and this CPU."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
+    for part in (" ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__, sys.version, _cpu_flags()):
+        h.update(b"\0" + part.encode())
+    return f"specdec_qgemm_{h.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached ($SPECDEC_CACHE/kernels/NAME, default ~/.cache/specdec/...)."""
+    return cache_dir() / "kernels" / build_name()
+
+
+def _find_ninja() -> str | None:
+    """Make `ninja` callable for torch's builder (the `ninja` package's binary if none is on PATH)."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return "ninja is not installed (pip install ninja)"
+    bin_dir = str(getattr(ninja, "BIN_DIR", ""))
+    if not bin_dir or not (Path(bin_dir) / "ninja").exists():
+        return "the ninja package has no ninja binary"
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No warnings or log lines from torch's builder (its errors still raise, with the compiler's output)."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _build() -> ModuleType:
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"needs x86-64 Linux, this is {sys.platform} on {platform.machine()}")
+    problem = _find_ninja()
+    if problem:
+        raise RuntimeError(problem)
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    directory = cache_dir() / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with _quiet():
+        module = cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=list(CFLAGS),
+                                    extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+    return module  # type: ignore[no-any-return]
+
+
+def _load() -> ModuleType | None:
+    """The extension, built (or loaded from the cache) on first call; None if it cannot be."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = _build()
+            except Exception as e:  # a failed build: unavailable, never an error at import or in callers
+                _error = f"{type(e).__name__}: {e}".strip()
+    return _module
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be built now) on this machine. Builds it on first call."""
+    return _load() is not None
+
+
+def why_unavailable() -> str | None:
+    """Why the kernel is unavailable (the build's error), None if it is available."""
+    _load()
+    return _error
+
+
+def impls() -> list[str]:
+    """The implementations compiled into this machine's build, e.g. ['scalar', 'avx2', 'avx512']."""
+    return list(_require().impls())
+
+
+def _require() -> ModuleType:
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"the qgemm kernel is unavailable: {_error}")
+    return module
+
+
+def _mm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, impl: str, int8: bool = False) -> torch.Tensor:
+    module = _module if _module is not None else _require()
+    entry = module.qmm8 if int8 else module.qmm
+    if impl == "auto" and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return entry(x, blocks, fmt, 0)  # type: ignore[no-any-return]  # the common case, no copies
+    impls = _IMPLS8 if int8 else _IMPLS
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {sorted(impls)}, got {impl!r}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., K)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    out: torch.Tensor = entry(x2, blocks, fmt, impls[impl])
+    return out.reshape(*lead, out.shape[-1])
+
+
+def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) float32, W given as Q4_1 blocks uint8 (N, K/32, 20).
+
+    x is cast to float32 and made contiguous if needed. `impl` picks an implementation (tests):
+    "auto" (the best compiled), "scalar", "avx2" or "avx512"; all give the same bits."""
+    return _mm(x, blocks, 0, impl)
+
+
+def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) float32, W given as Q8_0 blocks uint8 (N, K/32, 34). See `q4_1_mm`."""
+    return _mm(x, blocks, 1, impl)
+
+
+def q4_1_mm8(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """As `q4_1_mm`, with x quantized to int8 blocks first (llama.cpp's scheme, see qgemm8.cpp):
+    per block of 32, dx = max|x| / 127, codes round(x / dx), integer dot products with the weights'
+    codes. impl: "auto", "scalar", "avx2" or "avx512vnni"; all give the same bits."""
+    return _mm(x, blocks, 0, impl, int8=True)
+
+
+def q8_0_mm8(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """As `q8_0_mm`, with x quantized to int8 blocks first (see `q4_1_mm8`)."""
+    return _mm(x, blocks, 1, impl, int8=True)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 (M, K) -> (codes int8 (M, K), dx float32 (M, K/32), sx float32 (M, K/32)): the int8
+    kernel's quantization of its activations (sx = dx * the sum of a block's codes)."""
+    return _require().quantize_rows(x)  # type: ignore[no-any-return]
+
+
+def impls8() -> list[str]:
+    """The int8 kernel's implementations compiled in this machine's build, e.g. ['scalar', 'avx2', 'avx512vnni']."""
+    return list(_require().impls8())
+
+
+# ------------------------------------------------------------------------------------------- packing
+
+def _check_scale(name: str, t: torch.Tensor, n: int, kb: int) -> None:
+    if t.dtype != torch.float16 or tuple(t.shape) != (n, kb):
+        raise ValueError(f"{name} must be float16 of shape ({n}, {kb}), got {t.dtype} {tuple(t.shape)}")
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float16 (N, KB) -> its little-endian bytes, uint8 (N, KB, 2)."""
+    return t.contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+
+def pack_q4_1(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (N, K/32, 20) uint8 from scales d and minimums m (float16 (N, K/32)) and codes q
+    (uint8 (N, K), values 0..15): w = d * q + m per block of 32 along K."""
+    if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] % QK:
+        raise ValueError(f"q must be uint8 (N, K) with K a multiple of {QK}, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    kb = k // QK
+    _check_scale("d", d, n, kb)
+    _check_scale("m", m, n, kb)
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError("q4_1 codes must be in 0..15")
+    qb = q.reshape(n, kb, QK)
+    qs = qb[..., :16] | (qb[..., 16:] << 4)
+    return torch.cat([_half_bytes(d), _half_bytes(m), qs], dim=-1).contiguous()
+
+
+def pack_q8_0(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (N, K/32, 34) uint8 from scales d (float16 (N, K/32)) and codes q (int8 (N, K)): w = d * q."""
+    if q.dim() != 2 or q.dtype != torch.int8 or q.shape[1] % QK:
+        raise ValueError(f"q must be int8 (N, K) with K a multiple of {QK}, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    kb = k // QK
+    _check_scale("d", d, n, kb)
+    qb = q.reshape(n, kb, QK).view(torch.uint8)
+    return torch.cat([_half_bytes(d), qb], dim=-1).contiguous()
+
+
+def _check_blocks(blocks: torch.Tensor, nbytes: int) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != nbytes:
+        raise ValueError(f"blocks must be uint8 (N, K/32, {nbytes}), got {blocks.dtype} {tuple(blocks.shape)}")
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 2) little-endian -> float64 (...) of the float16 they hold."""
+    return b.contiguous().view(torch.float16).squeeze(-1).double()
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 (N, K) weights of Q4_1 blocks (N, K/32, 20), exactly as the kernel uses them
+    (d * q + m computed exactly, rounded once to float32). Pure torch, for tests."""
+    _check_blocks(blocks, Q4_1_BYTES)
+    n, kb, _ = blocks.shape
+    d = _halves(blocks[..., 0:2]).unsqueeze(-1)
+    m = _halves(blocks[..., 2:4]).unsqueeze(-1)
+    qs = blocks[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).double()
+    return (d * q + m).float().reshape(n, kb * QK)
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 (N, K) weights of Q8_0 blocks (N, K/32, 34), exactly as the kernel uses them
+    (d * q rounded to float32). Pure torch, for tests."""
+    _check_blocks(blocks, Q8_0_BYTES)
+    n, kb, _ = blocks.shape
+    d = _halves(blocks[..., 0:2]).unsqueeze(-1)
+    q = blocks[..., 2:].contiguous().view(torch.int8).double()
+    return (d * q).float().reshape(n, kb * QK)

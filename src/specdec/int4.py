@@ -36,9 +36,10 @@ one): 4-bit steps are cheap, verification passes much less so.
 
 The blocks kernels (`specdec.qgemm`, built for this CPU on first use; `kernel_choice`) read the
 GGUF blocks as they are (Q8_0 as one 8-bit plane, not two 4-bit ones), each block unpacked once
-per tile of rows. "blocks8", the default: the activations quantized to int8 per block of 32
-(llama.cpp's scheme: dx = max|x| / 127) and integer dot products (vpdpbusd on AVX-512 VNNI);
-"blocks": float32 activations (not bfloat16) by weights de-quantized exactly (w = fma(d, q, m)).
+per tile of rows. "blocks", the default: float32 activations (not bfloat16) by weights
+de-quantized exactly (w = fma(d, q, m)); "blocks8": the activations quantized to int8 per block
+of 32 (llama.cpp's scheme: dx = max|x| / 127) and integer dot products (vpdpbusd on AVX-512
+VNNI), faster with several rows but of llama.cpp's quality (see `kernel_choice`).
 Both keep rows invariant by construction (one fixed float order per output element, whatever
 the row count, thread count or instruction set; the same probe checks it).
 """
@@ -64,12 +65,14 @@ KERNELS = ("auto", "blocks8", "blocks", "torch")
 
 
 def kernel_choice() -> str:
-    """Which kernel 4-bit products run on: "blocks8" (`specdec.qgemm`'s int8 kernel: activations
-    quantized to int8 blocks as llama.cpp does, integer dot products; the fastest, the default),
-    "blocks" (its float kernel: float32 activations, weights de-quantized exactly) or "torch"
-    (PyTorch's int4 kernel: bfloat16 activations), where the extension does not build (it is
-    compiled here on first use). SPECDEC_INT4_KERNEL chooses; a blocks kernel where the extension
-    cannot build is an error that says why."""
+    """Which kernel 4-bit products run on: "blocks" (`specdec.qgemm`'s float kernel: float32
+    activations, weights de-quantized exactly; the default), "blocks8" (its int8 kernel:
+    activations quantized to int8 blocks as llama.cpp does, integer dot products; faster with
+    several rows, but of llama.cpp's quality: on SmolLM2 it answers "What is the capital of
+    France?" as llama.cpp does, "L'Étoile, la Marseillaise, ...", where float32, bf16 and the
+    float kernel say Paris) or "torch" (PyTorch's int4 kernel: bfloat16 activations), where the
+    extension does not build (it is compiled on first use; scripts/setup does it). SPECDEC_INT4_KERNEL
+    chooses; a blocks kernel where the extension cannot build is an error that says why."""
     import os
 
     want = os.environ.get("SPECDEC_INT4_KERNEL", "auto").strip().lower() or "auto"
@@ -80,7 +83,7 @@ def kernel_choice() -> str:
     from specdec import qgemm
 
     if qgemm.available():
-        return "blocks8" if want == "auto" else want
+        return "blocks" if want == "auto" else want
     if want != "auto":
         raise ValueError(f"SPECDEC_INT4_KERNEL={want}, but the kernel does not build here: {qgemm.why_unavailable()}")
     return "torch"
@@ -136,8 +139,8 @@ class Int4Weight:
     of the planes' products (one plane for Q4_1, two for Q8_0), in x's dtype.
 
     Where the planes carry the weight's GGUF blocks and `specdec.qgemm` builds on this machine
-    (`kernel_choice`), the product runs on the blocks instead ("blocks8": int8 activations,
-    integer dot products; "blocks": float32 activations, weights de-quantized exactly; each
+    (`kernel_choice`), the product runs on the blocks instead ("blocks": float32 activations,
+    weights de-quantized exactly; "blocks8": int8 activations, integer dot products; each
     block unpacked once for all rows of a product) and the planes are not packed for PyTorch's
     kernel ("torch")."""
 

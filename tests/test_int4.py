@@ -191,6 +191,12 @@ def test_sampled_int4_speculation_fits_the_int4_targets_exact_distribution(tiny_
     """Chi-square (alpha 0.001): two-token continuations sampled speculatively (K = 3, a close
     drafter) against the exact distribution of the int4 target, computed from its one-token
     steps."""
+    _assert_two_token_samples_fit(tiny_pair)
+
+
+def _assert_two_token_samples_fit(tiny_pair) -> None:
+    """Chi-square of the int4 tiny pair's speculative two-token continuations (K 3, a close
+    drafter) against the exact distribution of its one-token steps."""
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=3, dtype="int4")
     prompt = decoder.tokenizer("def add(a, b):\n    return")["input_ids"]
     lm = decoder.target.fresh()
@@ -248,3 +254,33 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "fastest")
     with pytest.raises(ValueError, match="auto, blocks8, blocks, torch"):
         kernel_choice()
+
+
+@pytest.mark.parametrize("kernel", ["blocks", "blocks8"])
+def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, kernel):
+    """On each of specdec.qgemm's kernels (SPECDEC_INT4_KERNEL): SmolLM2's 9 tokens scored in one
+    pass give the logits of 9 one-token steps bit for bit; greedy speculative decoding (default
+    prophets, K 8) equals plain decoding, alone and batched; and sampled speculation fits the
+    int4 target's exact distribution (chi-square at the suite's alpha, the tiny pair quantized here)."""
+    from specdec import qgemm
+
+    if not qgemm.available():
+        pytest.skip(f"qgemm unavailable: {qgemm.why_unavailable()}")
+    monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
+    decoder = load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
+                   dtype="int4")
+    assert decoder.target.int4_kernel == kernel and decoder.weights_detail == f"int4 ({kernel} kernel)"
+    lm = decoder.target.fresh()
+    prompt = decoder.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
+    tail = [504, 3458, 282, 4649, 314, 7042, 30, 216, 198]
+    lm.forward(prompt, 1)
+    together = lm.forward(tail, len(tail))
+    lm.truncate(len(prompt))
+    assert torch.equal(together, torch.cat([lm.forward([t], 1) for t in tail]))
+    jobs = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS[1:]]
+    plain = decoder.plain()
+    want = [plain.generate(**job, max_new_tokens=24, temperature=0).token_ids for job in jobs]
+    assert [decoder.generate(**job, max_new_tokens=24, temperature=0).token_ids for job in jobs] == want
+    assert [g.token_ids for g in decoder.generate_many(jobs, max_new_tokens=24, temperature=0)] == want
+    assert load(tiny_pair["target"], draft="none", dtype="int4").target.int4_kernel == kernel
+    _assert_two_token_samples_fit(tiny_pair)

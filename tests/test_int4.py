@@ -128,9 +128,13 @@ def test_each_row_is_computed_as_a_one_row_product_at_every_row_count(smollm2_in
 
 
 def test_a_verification_pass_scores_what_one_token_steps_score(smollm2_int4):
+    _assert_a_pass_scores_as_steps(smollm2_int4)
+
+
+def _assert_a_pass_scores_as_steps(decoder) -> None:
     """The whole int4 forward: 9 tokens scored in one pass give, bit for bit, the logits of 9 one-token steps."""
-    lm = smollm2_int4.target.fresh()
-    prompt = smollm2_int4.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
+    lm = decoder.target.fresh()
+    prompt = decoder.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
     tail = [504, 3458, 282, 4649, 314, 7042, 30, 216, 198]
     lm.forward(prompt, 1)
     together = lm.forward(tail, len(tail))
@@ -270,13 +274,7 @@ def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, 
     decoder = load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
                    dtype="int4")
     assert decoder.target.int4_kernel == kernel and decoder.weights_detail == f"int4 ({kernel} kernel)"
-    lm = decoder.target.fresh()
-    prompt = decoder.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
-    tail = [504, 3458, 282, 4649, 314, 7042, 30, 216, 198]
-    lm.forward(prompt, 1)
-    together = lm.forward(tail, len(tail))
-    lm.truncate(len(prompt))
-    assert torch.equal(together, torch.cat([lm.forward([t], 1) for t in tail]))
+    _assert_a_pass_scores_as_steps(decoder)
     jobs = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS[1:]]
     plain = decoder.plain()
     want = [plain.generate(**job, max_new_tokens=24, temperature=0).token_ids for job in jobs]

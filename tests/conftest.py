@@ -1,3 +1,5 @@
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 from hypothesis import settings
@@ -34,3 +36,11 @@ def tiny_eagle(tiny_pair, tmp_path_factory):
     path = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
     save_head(head, torch.arange(0, 200), path, {})
     return str(path)
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """torch.set_num_threads for a test, the count restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

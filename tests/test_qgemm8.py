@@ -10,42 +10,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from specdec import qgemm
+from tests.test_qgemm import assert_rows_invariant, q4_1_blocks, q8_0_blocks
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm unavailable: {qgemm.why_unavailable()}")
-
-
-def q4_1_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    kb = k // 32
-    d = (torch.rand(n, kb, generator=g) * 0.02 + 1e-3).half()
-    m = (-torch.rand(n, kb, generator=g) * 0.15).half()
-    return qgemm.pack_q4_1(d, m, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g))
-
-
-def q8_0_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    kb = k // 32
-    d = (torch.rand(n, kb, generator=g) * 0.01 + 1e-4).half()
-    return qgemm.pack_q8_0(d, torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g))  # -128 included
 
 
 FORMATS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "q4_1": (q4_1_blocks, qgemm.q4_1_mm8, qgemm.dequantize_q4_1),
     "q8_0": (q8_0_blocks, qgemm.q8_0_mm8, qgemm.dequantize_q8_0),
 }
-
-
-@pytest.fixture
-def threads() -> Iterator[Callable[[int], None]]:
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------- reference
@@ -195,20 +174,7 @@ def test_head_q8_0() -> None:
 @pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (37, 64), (40, 800)])
 def test_rows_are_invariant(fmt: str, n: int, k: int, threads: Callable[[int], None]) -> None:
     make, mm, _ = FORMATS[fmt]
-    blocks = make(n, k, seed=11)
-    g = torch.Generator().manual_seed(3)
-    row = torch.randn(1, k, generator=g)
-    threads(1)
-    alone = mm(row, blocks)[0]
-    for t in (1, 2):
-        threads(t)
-        assert torch.equal(mm(row, blocks)[0], alone)
-        for m in (2, 3, 4, 5, 6, 7, 8, 9, 17, 40):
-            x = torch.randn(m, k, generator=g) * float(torch.rand(1, generator=g) * 10)
-            at = int(torch.randint(0, m, (1,), generator=g))
-            x[at] = row[0]
-            for impl in qgemm.impls8():
-                assert torch.equal(mm(x, blocks, impl=impl)[at], alone), (t, m, at, impl)
+    assert_rows_invariant(mm, make(n, k, seed=11), k, threads, qgemm.impls8())
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

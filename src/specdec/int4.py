@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdec import qgemm  # its kernels build lazily, on first use: importing it costs nothing
+
 GROUP = 32  # weights per block: Q4_1's and Q8_0's, and the kernel's group size
 INT4 = torch.quint4x2  # how `--dtype int4` is named among torch dtypes (load(dtype=INT4) or "int4")
 ATTR = "specdec_int4"  # the attribute of a loaded model that holds its 4-bit weights
@@ -84,11 +86,13 @@ def kernel_choice() -> str:
         raise ValueError(f"SPECDEC_INT4_KERNEL must be one of {', '.join(KERNELS)}, got {want!r}")
     if want in ("auto", "torch"):
         return "torch"
-    from specdec import qgemm
-
     if not qgemm.available():
         raise ValueError(f"SPECDEC_INT4_KERNEL={want}, but the kernel does not build here: {qgemm.why_unavailable()}")
     return want
+
+
+_BLOCK_PRODUCTS = {("blocks", "Q4_1"): "q4_1_mm", ("blocks", "Q8_0"): "q8_0_mm",
+                   ("blocks8", "Q4_1"): "q4_1_mm8", ("blocks8", "Q8_0"): "q8_0_mm8"}
 
 
 @dataclass
@@ -156,6 +160,8 @@ class Int4Weight:
         kernel = kernel_choice()
         self.blocks: Blocks | None = planes[0].blocks if kernel != "torch" else None
         self.kernel = kernel if self.blocks is not None else "torch"
+        # the qgemm function of this kernel and block kind, chosen once (looked up by name: profilers wrap it)
+        self.block_product = _BLOCK_PRODUCTS[(kernel, self.blocks.kind)] if self.blocks is not None else ""
         if self.blocks is not None:
             return
         pad = -n % _ROWS_ALIGN
@@ -191,13 +197,7 @@ class Int4Weight:
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         """flat (M, K) -> (M, out_rows) float32 (flat bfloat16 for PyTorch's kernel, float32 for the blocks')."""
         if self.blocks is not None:
-            from specdec import qgemm
-
-            if self.kernel == "blocks8":
-                mm = qgemm.q4_1_mm8 if self.blocks.kind == "Q4_1" else qgemm.q8_0_mm8
-            else:
-                mm = qgemm.q4_1_mm if self.blocks.kind == "Q4_1" else qgemm.q8_0_mm
-            return mm(flat, self.blocks.data)
+            return getattr(qgemm, self.block_product)(flat, self.blocks.data)  # type: ignore[no-any-return]
         out: torch.Tensor | None = None
         for packed, scales_zeros in self.planes:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros).float()
@@ -261,10 +261,8 @@ def int4_row_policy(weights: Sequence[Int4Weight], head: Int4Weight | None = Non
 def q4_1_codes(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, raw: torch.Tensor | None = None) -> list[Codes]:
     """Q4_1 (w = d*q + m; d, m (N, K/32) fp16, q (N, K) in 0..15) as one plane, carrying its
     blocks (raw: the file's bytes (N, K/32, 20), else packed here)."""
-    from specdec.qgemm import pack_q4_1
-
     q = q.to(torch.uint8)
-    blocks = Blocks("Q4_1", raw if raw is not None else pack_q4_1(d.half(), m.half(), q))
+    blocks = Blocks("Q4_1", raw if raw is not None else qgemm.pack_q4_1(d.half(), m.half(), q))
     d, m = d.float(), m.float()
     return [Codes(q, d, m + 8 * d, blocks)]
 
@@ -273,9 +271,7 @@ def q8_0_codes(d: torch.Tensor, q: torch.Tensor, raw: torch.Tensor | None = None
     """Q8_0 (w = d*q; d (N, K/32) fp16, q (N, K) int8) as two planes: hi+8 (scale 16d, zero 0)
     and lo (scale d, zero 8d), where q = 16*hi + lo, lo = q & 15 in 0..15, hi = q >> 4 in -8..7;
     the first carries the blocks (raw: the file's bytes (N, K/32, 34), else packed here)."""
-    from specdec.qgemm import pack_q8_0
-
-    blocks = Blocks("Q8_0", raw if raw is not None else pack_q8_0(d.half(), q.to(torch.int8)))
+    blocks = Blocks("Q8_0", raw if raw is not None else qgemm.pack_q8_0(d.half(), q.to(torch.int8)))
     d, q = d.float(), q.to(torch.int16)
     lo, hi = q & 15, q >> 4
     return [Codes((hi + 8).to(torch.uint8), 16 * d, torch.zeros_like(d), blocks), Codes(lo.to(torch.uint8), d, 8 * d)]

@@ -282,3 +282,19 @@ def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, 
     assert [g.token_ids for g in decoder.generate_many(jobs, max_new_tokens=24, temperature=0)] == want
     assert load(tiny_pair["target"], draft="none", dtype="int4").target.int4_kernel == kernel
     _assert_two_token_samples_fit(tiny_pair)
+
+
+def test_a_blocks_kernel_that_cannot_build_is_an_error_that_says_why(monkeypatch):
+    """SPECDEC_INT4_KERNEL=blocks (or blocks8) where the extension does not build: a ValueError
+    naming the build's error; the default ("auto") never needs the extension."""
+    from specdec import qgemm
+    from specdec.int4 import kernel_choice
+
+    monkeypatch.setattr(qgemm, "available", lambda: False)
+    monkeypatch.setattr(qgemm, "why_unavailable", lambda: "RuntimeError: no compiler")
+    for kernel in ("blocks", "blocks8"):
+        monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
+        with pytest.raises(ValueError, match=f"SPECDEC_INT4_KERNEL={kernel}.*no compiler"):
+            kernel_choice()
+    monkeypatch.setenv("SPECDEC_INT4_KERNEL", "auto")
+    assert kernel_choice() == "torch"

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdec import layerloop
 from specdec.defaults import PREFILL_CHUNK
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
@@ -563,7 +564,13 @@ class BatchLlama(LlamaWeights):
         x = self.embed[ids]  # (B, n, D)
         kept: list[torch.Tensor] = []
         rope = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, n, hd)
-        for i, w in enumerate(self.layers[:layers]):
+        # the same layers in C++ where it applies (bit for bit this loop's results, see specdec.layerloop)
+        stack = layerloop.stack_for(self) if not any(layouts) and (layers is None or layers >= 0) else None
+        if stack is not None:
+            x, kept = stack.run(x, rope[0], rope[1], [r[0] for r in rows], [r[1] for r in rows],
+                                [int(s) for s in starts], [len(ids) for ids in new_ids], [int(m) for m in n_logits],
+                                -1 if layers is None else layers, [int(c) for c in capture])
+        for i, w in enumerate(self.layers[:layers] if stack is None else ()):
             x = x + self._attention(i, self._norm(x, w["in_norm"]), rope, rows)
             x = x + self._mlp(x, w)
             if i in capture:

@@ -48,7 +48,7 @@ Q4_1_BYTES = 20
 Q8_0_BYTES = 34
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCE = KERNELS_DIR / "qgemm.cpp"
-SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp")  # one extension: float32 and int8 activations
+SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "step.cpp")  # one extension: the products, the layer loop
 HEADERS = (KERNELS_DIR / "qgemm_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
 LDFLAGS = ("-fopenmp",)
@@ -165,6 +165,11 @@ def why_unavailable() -> str | None:
 def impls() -> list[str]:
     """The implementations compiled into this machine's build, e.g. ['scalar', 'avx2', 'avx512']."""
     return list(_require().impls())
+
+
+def module() -> ModuleType:
+    """The built extension (for `specdec.layerloop`); raises where it is unavailable."""
+    return _require()
 
 
 def _require() -> ModuleType:

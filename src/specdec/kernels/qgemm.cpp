@@ -428,7 +428,13 @@ std::vector<std::string> impls() {
 
 }  // namespace
 
-void register_mm8(pybind11::module& m);  // qgemm8.cpp
+// For the layer loop (step.cpp): the product as `q4_1_mm` / `q8_0_mm` computes it.
+torch::Tensor qgemm_blocks_mm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt) {
+  return qmm(x, blocks, fmt, AUTO);
+}
+
+void register_mm8(pybind11::module& m);   // qgemm8.cpp
+void register_step(pybind11::module& m);  // step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "float32 x GGUF block weights (Q4_1, Q8_0) matrix products, row-invariant";
@@ -437,4 +443,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "qmm(x, blocks, fmt, impl): fmt 0 Q4_1, 1 Q8_0; impl 0 auto, 1 scalar, 2 avx2, 3 avx512");
   m.def("impls", &impls, "the implementations compiled in this build, worst to best");
   register_mm8(m);
+  register_step(m);
 }

@@ -724,6 +724,11 @@ std::vector<std::string> impls8() {
 
 }  // namespace
 
+// For the layer loop (step.cpp): the product as `q4_1_mm8` / `q8_0_mm8` computes it.
+torch::Tensor qgemm_blocks_mm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt) {
+  return qmm8(x, blocks, fmt, AUTO);
+}
+
 // The int8 kernel's entry points, added to the extension's module by qgemm.cpp.
 void register_mm8(pybind11::module& m) {
   m.def("q4_1_mm8", &q4_1_mm8, "x (M, K) float32 @ Q4_1 blocks (N, K/32, 20).T with x quantized to int8 blocks",

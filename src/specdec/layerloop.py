@@ -1,0 +1,79 @@
+"""The lean Llama path's layer loop in C++ (src/specdec/kernels/step.cpp, built with `specdec.qgemm`).
+
+`BatchLlama.forward_fused` runs its layers through here where it can (`stack_for`): the CPU,
+float32 activations (float32 weights, or 4-bit ones on any kernel), rows without token trees.
+The C++ loop calls the same ATen operations as the Python loop, in the same order and on the
+same shapes, so it computes the Python loop's bits exactly (tested); it removes the
+interpreter's work around each of them (about 50 Python calls a layer, 1,500 a SmolLM2 step).
+Token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
+
+SPECDEC_LAYER_LOOP chooses: "auto" (the default: C++ where it applies and the extension builds
+here) or "python" (always the Python loop, e.g. to compare).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from specdec import qgemm
+from specdec.int4 import Int4Weight
+
+LOOPS = ("auto", "python")
+_KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3}
+_FORMATS = {"Q4_1": 0, "Q8_0": 1}
+
+
+def loop_choice() -> str:
+    """SPECDEC_LAYER_LOOP: "auto" (C++ where it applies) or "python"."""
+    want = os.environ.get("SPECDEC_LAYER_LOOP", "auto").strip().lower() or "auto"
+    if want not in LOOPS:
+        raise ValueError(f"SPECDEC_LAYER_LOOP must be one of {', '.join(LOOPS)}, got {want!r}")
+    return want
+
+
+def _product(module: Any, weight: Any, int4_rows: str) -> Any:
+    """The C++ product of one of a layer's weights, or None where the Python loop must multiply it."""
+    if isinstance(weight, Int4Weight):
+        if weight.kernel == "torch":
+            return module.Product(_KINDS["torch"], torch.empty(0), 0, [p for p, _ in weight.planes],
+                                  [s for _, s in weight.planes], weight.out_rows, weight.shape[1],
+                                  int4_rows == "solo")
+        assert weight.blocks is not None
+        return module.Product(_KINDS[weight.kernel], weight.blocks.data, _FORMATS[weight.blocks.kind], [], [],
+                              weight.out_rows, weight.shape[1], int4_rows == "solo")
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+        return module.Product(_KINDS["float"], weight, 0, [], [], weight.shape[0], weight.shape[1], False)
+    return None
+
+
+def stack_for(lm: Any) -> Any:
+    """The C++ layer stack for a `BatchLlama` (built once per weights and attention settings,
+    shared by its views), or None where the Python loop runs: another device or dtype, the
+    int8 copy, float products padded by row policy, SPECDEC_LAYER_LOOP=python, or no extension."""
+    if loop_choice() == "python" or lm.device.type != "cpu" or lm.embed.dtype != torch.float32 or lm.int8:
+        return None
+    if lm.bucket_rows and lm.row_policy != "none":
+        return None
+    key = (id(lm.layers), lm.exact_rows, lm.attention_chunk, lm.int4_rows, lm.bucket_rows)
+    cache = lm.__dict__.setdefault("_layer_stacks", {})  # views share it (and the layers list)
+    if key not in cache:
+        cache[key] = _build(lm)
+    return cache[key]
+
+
+def _build(lm: Any) -> Any:
+    if not qgemm.available():
+        return None
+    module = qgemm.module()
+    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, lm.exact_rows)
+    for w in lm.layers:
+        products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
+        if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:
+            return None
+        if lm.bucket_rows and any(not isinstance(w[name], Int4Weight) for name in ("qkv", "o", "gate_up", "down")):
+            return None  # a float product beside 4-bit ones is padded by row policy in the Python loop
+        stack.add_layer(w["in_norm"], w["post_norm"], products)
+    return stack

@@ -1,0 +1,83 @@
+"""The lean path's layer loop in C++ (specdec.layerloop, kernels/step.cpp) computes the Python
+loop's results bit for bit: logits, features, fused features and every key and value it writes,
+for one row and for ragged batches, one-token steps, verification passes, chunked prompts and
+early exits; on PyTorch's int4 kernel, on specdec.qgemm's blocks kernel and in float32."""
+
+import pytest
+import torch
+
+from specdec import layerloop, load, qgemm
+from specdec.fastllama import BatchLlama
+
+
+def _both(lm: BatchLlama, monkeypatch, call):
+    """call(model) on two fresh views of lm, with the C++ loop and with the Python loop."""
+    results = []
+    for loop in ("auto", "python"):
+        monkeypatch.setenv("SPECDEC_LAYER_LOOP", loop)
+        view = lm.view(4)
+        assert (layerloop.stack_for(view) is not None) == (loop == "auto")
+        results.append((call(view), [(k.clone(), v.clone()) for k, v in zip(view.k_slots, view.v_slots, strict=True)
+                                     if k is not None and v is not None]))
+    monkeypatch.delenv("SPECDEC_LAYER_LOOP")
+    return results
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _passes(model: BatchLlama):
+    """A sequence of passes as the one loop makes them: ragged prompts (one past the prefill
+    chunk), a batched verification pass of 1, 5 and 9 tokens, one-token steps, an early exit and
+    the eagle3 capture of three layers' outputs."""
+    chunk = model.attention_chunk
+    prompts = [[1 + (7 * i) % 300 for i in range(n)] for n in (5, chunk + 9, 40)]
+    out = [model.forward_features([0, 1, 2], [0, 0, 0], prompts, [1, 1, 1])]
+    starts = [len(p) for p in prompts]
+    feed = [[11], [12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24, 25]]
+    out.append(model.forward_features([0, 1, 2], starts, feed, [1, 5, 9]))
+    out.append(model.forward([1], [starts[1] + 5], [[30]], [1]))
+    out.append(model.forward_features([2], [starts[2] + 9], [[31, 32]], [2], layers=3, head=False))
+    out.append(model.forward_fused([0, 2], [starts[0] + 1, starts[2] + 9], [[33], [34, 35]], [1, 2], (1, 5, 8)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def built():
+    if not qgemm.available():
+        pytest.skip(f"the extension does not build here: {qgemm.why_unavailable()}")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "blocks"])
+def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built, kernel):
+    monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
+    lm = load("smollm2", draft="none", dtype="int4").target.rows
+    assert lm.int4_kernel == kernel
+    (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
+    assert _equal(cpp, python)
+    assert _equal(cpp_cache, python_cache) and len(cpp_cache) == 3
+
+
+def test_the_cpp_loop_computes_the_python_loops_bits_in_float32(monkeypatch, built, tiny_pair):
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
+    assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
+
+
+def test_the_python_loop_runs_where_the_cpp_one_does_not_apply(monkeypatch, built, tiny_pair):
+    """bfloat16 weights, the int8 copy and SPECDEC_LAYER_LOOP=python keep the Python loop; an
+    unknown choice is an error naming the choices."""
+    assert layerloop.stack_for(load(tiny_pair["target"], draft="none", dtype="bfloat16").target.rows) is None
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    assert layerloop.stack_for(lm) is not None
+    assert layerloop.stack_for(BatchLlama(lm.model, "copy", 2, int8=True)) is None
+    monkeypatch.setenv("SPECDEC_LAYER_LOOP", "python")
+    assert layerloop.stack_for(lm) is None
+    monkeypatch.setenv("SPECDEC_LAYER_LOOP", "fast")
+    with pytest.raises(ValueError, match="auto, python"):
+        layerloop.stack_for(lm)

@@ -196,11 +196,63 @@ void tile_avx2(const Args& a, int64_t r0, int64_t n) {
   }
 }
 
+// A whole block's 32 weights as four vectors of 8 (positions 0..7, 8..15, 16..23, 24..31): the values
+// dequant_avx2 gives for h = 0 and h = 1, with the block's bytes loaded once.
+template <Fmt F>
+inline void dequant_block_avx2(const uint8_t* blk, __m256 w[4]) {
+  if constexpr (F == Q4_1) {
+    const __m128 dm = load_dm(blk);
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m256i q0 = _mm256_cvtepu8_epi32(raw);
+    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+    const __m256i mask = _mm256_set1_epi32(15);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, mask)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, mask)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m);
+  } else {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+    for (int i = 0; i < 4; ++i) {
+      const auto* q = reinterpret_cast<const __m128i*>(blk + 2 + 8 * i);
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q))));
+    }
+  }
+}
+
+// One or two rows a tile in one pass over the blocks, with four accumulators a row (one per 8 positions of a
+// block): the same multiply-adds in the same order as tile_avx2's two passes (accumulator j here is tile_avx2's
+// accumulator j % 2 of pass j / 2), so the same bits, with four independent chains instead of two (a one-row
+// product is bound by the multiply-add's latency, not by its throughput).
+template <Fmt F, int MT>
+void tile_avx2_one_pass(const Args& a, int64_t r0, int64_t n) {
+  constexpr int64_t BB = block_bytes<F>();
+  const int64_t KB = a.K / QK;
+  const uint8_t* row = a.w + n * a.row_bytes;
+  const float* x = a.xp + r0 * a.K;
+  __m256 acc[MT][4];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256 w[4];
+    dequant_block_avx2<F>(row + b * BB, w);
+    const float* xb = x + b * MT * QK;
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8 * j), w[j], acc[r][j]);
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m256 t_lo = _mm256_add_ps(acc[r][0], acc[r][2]);  // T[0..7]
+    const __m256 t_hi = _mm256_add_ps(acc[r][1], acc[r][3]);  // T[8..15]
+    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
+  }
+}
+
 template <Fmt F>
 void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n) {
   switch (mt) {
-    case 1: return tile_avx2<F, 1>(a, r0, n);
-    case 2: return tile_avx2<F, 2>(a, r0, n);
+    case 1: return tile_avx2_one_pass<F, 1>(a, r0, n);
+    case 2: return tile_avx2_one_pass<F, 2>(a, r0, n);
     case 3: return tile_avx2<F, 3>(a, r0, n);
     case 4: return tile_avx2<F, 4>(a, r0, n);
     default: return tile_avx2<F, 5>(a, r0, n);

@@ -44,3 +44,13 @@ def threads() -> Iterator[Callable[[int], None]]:
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_loaded() -> None:
+    """specdec.qgemm (the 4-bit kernels and the C++ layer loop) loaded once, from the cache that
+    scripts/setup built it in, before any test points SPECDEC_CACHE elsewhere (where it would be
+    compiled again, for minutes)."""
+    from specdec import qgemm
+
+    qgemm.available()

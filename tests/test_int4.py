@@ -253,8 +253,12 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
             assert head.blocks is not None and head.blocks.data.shape[0] == 150
             assert torch.equal(head.mm(x), fast.mm(x)[:, :150])
             assert fast.nbytes == codes[0].blocks.data.numel()
-    monkeypatch.delenv("SPECDEC_INT4_KERNEL")
-    assert kernel_choice() == "torch"  # the default (see kernel_choice: the measurements)
+    monkeypatch.delenv("SPECDEC_INT4_KERNEL")  # the default (see kernel_choice: the measurements)
+    assert kernel_choice() == ("blocks" if qgemm.available() and not qgemm.has_avx512() else "torch")
+    monkeypatch.setattr(qgemm, "has_avx512", lambda: True)
+    assert kernel_choice() == "torch"
+    monkeypatch.setattr(qgemm, "has_avx512", lambda: False)
+    assert kernel_choice() == ("blocks" if qgemm.available() else "torch")
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "fastest")
     with pytest.raises(ValueError, match="auto, blocks8, blocks, torch"):
         kernel_choice()
@@ -286,7 +290,7 @@ def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, 
 
 def test_a_blocks_kernel_that_cannot_build_is_an_error_that_says_why(monkeypatch):
     """SPECDEC_INT4_KERNEL=blocks (or blocks8) where the extension does not build: a ValueError
-    naming the build's error; the default ("auto") never needs the extension."""
+    naming the build's error; the default ("auto") then takes PyTorch's kernel, on any CPU."""
     from specdec import qgemm
     from specdec.int4 import kernel_choice
 
@@ -297,4 +301,6 @@ def test_a_blocks_kernel_that_cannot_build_is_an_error_that_says_why(monkeypatch
         with pytest.raises(ValueError, match=f"SPECDEC_INT4_KERNEL={kernel}.*no compiler"):
             kernel_choice()
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "auto")
-    assert kernel_choice() == "torch"
+    for avx512 in (True, False):
+        monkeypatch.setattr(qgemm, "has_avx512", lambda avx512=avx512: avx512)
+        assert kernel_choice() == "torch"

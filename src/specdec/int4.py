@@ -36,8 +36,8 @@ one): 4-bit steps are cheap, verification passes much less so.
 
 The blocks kernels (`specdec.qgemm`, built for this CPU on first use; `kernel_choice`) read the
 GGUF blocks as they are (Q8_0 as one 8-bit plane, not two 4-bit ones), each block unpacked once
-per tile of rows, chosen by SPECDEC_INT4_KERNEL (the default stays PyTorch's: `kernel_choice`
-says why). "blocks": float32 activations (not bfloat16) by weights de-quantized exactly
+per tile of rows, chosen by SPECDEC_INT4_KERNEL (by default "blocks" on a CPU without AVX-512,
+else PyTorch's: `kernel_choice` says why). "blocks": float32 activations (not bfloat16) by weights de-quantized exactly
 (w = fma(d, q, m)); "blocks8": the activations quantized to int8 per block of 32 (llama.cpp's
 scheme: dx = max|x| / 127) and integer dot products (vpdpbusd on AVX-512 VNNI), faster with
 several rows but of llama.cpp's quality.
@@ -68,23 +68,29 @@ KERNELS = ("auto", "blocks8", "blocks", "torch")
 
 
 def kernel_choice() -> str:
-    """Which kernel 4-bit products run on: "torch" (PyTorch's int4 kernel: bfloat16 activations;
-    the default), "blocks" (`specdec.qgemm`'s float kernel: float32 activations, weights
-    de-quantized exactly) or "blocks8" (its int8 kernel: activations quantized to int8 blocks as
-    llama.cpp does, integer dot products). Measured on SmolLM2 (2-core AMD EPYC, avx512_bf16 and
-    VNNI): a one-token step costs about the same on all three (the weights stream from memory);
-    a 5-token verification pass 11-12 ms of products on blocks8 against 16-19 on the other two;
-    but int8 activations cost llama.cpp's quality: SmolLM2 then answers "What is the capital of
-    France?" as llama.cpp does on the same file ("L'Étoile, la Marseillaise, ..."), where float32,
-    bf16 and the other two kernels say Paris. So the default stays PyTorch's. SPECDEC_INT4_KERNEL
-    chooses ("auto" is the default); a blocks kernel where the extension cannot build (it is
-    compiled on first use; scripts/setup does it) is an error that says why."""
+    """Which kernel 4-bit products run on: "torch" (PyTorch's int4 kernel: bfloat16 activations),
+    "blocks" (`specdec.qgemm`'s float kernel: float32 activations, weights de-quantized exactly)
+    or "blocks8" (its int8 kernel: activations quantized to int8 blocks as llama.cpp does,
+    integer dot products). SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "blocks" on a
+    CPU without AVX-512 where the extension builds (scripts/setup builds it), else "torch":
+    - without AVX-512 (a 2-core AMD EPYC with AVX2 only), PyTorch's kernel has no fast path:
+      SmolLM2's products cost 1.3-1.5x the blocks kernel's for one row and 1.5-1.7x for five
+      (a verification pass), and its bfloat16 activations round more;
+    - with AVX-512 (AMD EPYC Zen 4, avx512_bf16 and VNNI) a one-token step costs about the same on
+      all three (the weights stream from memory) and a 5-token pass 16-19 ms of products on
+      torch and blocks against 11-12 on blocks8;
+    - int8 activations cost llama.cpp's quality: SmolLM2 then answers "What is the capital of
+      France?" as llama.cpp does on the same file ("L'Étoile, la Marseillaise, ..."), where
+      float32, bf16 and the other two kernels say Paris: blocks8 is never the default.
+    A blocks kernel asked for where the extension cannot build is an error that says why."""
     import os
 
     want = os.environ.get("SPECDEC_INT4_KERNEL", "auto").strip().lower() or "auto"
     if want not in KERNELS:
         raise ValueError(f"SPECDEC_INT4_KERNEL must be one of {', '.join(KERNELS)}, got {want!r}")
-    if want in ("auto", "torch"):
+    if want == "auto":
+        return "blocks" if not qgemm.has_avx512() and qgemm.available() else "torch"
+    if want == "torch":
         return "torch"
     if not qgemm.available():
         raise ValueError(f"SPECDEC_INT4_KERNEL={want}, but the kernel does not build here: {qgemm.why_unavailable()}")

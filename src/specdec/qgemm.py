@@ -76,6 +76,11 @@ def _cpu_flags() -> str:
     return f"{model}|{flags}"
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (avx512f): where PyTorch's int4 kernel has its fast path."""
+    return "avx512f" in _cpu_flags().partition("|")[2].split()
+
+
 def build_name() -> str:
     """The extension's name: a hash of its source, the build flags, torch's version and this CPU."""
     h = hashlib.sha256()

@@ -81,3 +81,24 @@ def test_the_python_loop_runs_where_the_cpp_one_does_not_apply(monkeypatch, buil
     monkeypatch.setenv("SPECDEC_LAYER_LOOP", "fast")
     with pytest.raises(ValueError, match="auto, python"):
         layerloop.stack_for(lm)
+
+
+def test_the_small_kernels_compute_what_pytorch_does_within_float_rounding(built):
+    """The extension's RMSNorm and one-query attention (both loops use them for float32) agree
+    with PyTorch's to float32 rounding, with grouped heads and keys read from a longer buffer;
+    its rotary positions are PyTorch's three operations bit for bit."""
+    import torch.nn.functional as F
+
+    ext = layerloop.kernels()
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(7, 576, generator=gen) * 3, torch.rand(576, generator=gen)
+    assert torch.allclose(ext.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    for end in (1, 37, 256):
+        q = torch.randn(1, 9, 1, 64, generator=gen)
+        keys, values = torch.randn(2, 1, 3, 300, 64, generator=gen)
+        want = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=True)
+        assert torch.allclose(ext.attend_one(q, keys, values, end), want, rtol=1e-5, atol=1e-6)
+    heads = torch.randn(2, 7, 5, 64, generator=gen).transpose(1, 2)  # (B, H, n, hd), (B, n, H, hd) in memory
+    cos, sin = torch.randn(2, 2, 1, 7, 64, generator=gen)
+    want = heads * cos + torch.roll(heads, 32, dims=-1) * sin
+    assert torch.equal(ext.rope_heads(heads, cos, sin), want)

@@ -177,13 +177,28 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     a = 0
     while a < lead:  # block [a, b) of the leading queries, b at the next multiple of chunk
         b = min(lead, (start + a) // chunk * chunk + chunk - start)
-        parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b], values[:, :, :start + b],
-                                                    attn_mask=causal_mask(b - a, start + a, q.device),
-                                                    enable_gqa=gqa))
+        if b - a == 1:
+            parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa))
+        else:
+            parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b],
+                                                        values[:, :, :start + b],
+                                                        attn_mask=causal_mask(b - a, start + a, q.device),
+                                                        enable_gqa=gqa))
         a = b
-    parts += [F.scaled_dot_product_attention(q[:, :, j:j + 1], keys[:, :, :start + j + 1],
-                                             values[:, :, :start + j + 1], enable_gqa=gqa) for j in range(lead, n)]
+    parts += [one_query(q[:, :, j:j + 1], keys, values, start + j + 1, gqa) for j in range(lead, n)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one part (a one-token step): no copy
+
+
+def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, gqa: bool) -> torch.Tensor:
+    """One query q (1, Hq, 1, hd) over the first `end` keys/values (1, Hkv, >= end, hd): the
+    extension's `attend_one` (float32 on the CPU, up to `layerloop.ONE_QUERY_MAX` keys, where it
+    builds), else PyTorch's attention. Every query that attends alone (a one-token step, a scored
+    query of a verification pass, a token tree's node) attends here, in both layer loops."""
+    if q.dtype == torch.float32 and q.device.type == "cpu" and end <= layerloop.ONE_QUERY_MAX:
+        ext = layerloop.kernels()
+        if ext is not None:
+            return ext.attend_one(q, keys, values, end)  # type: ignore[no-any-return]
+    return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=gqa)
 
 
 class LlamaWeights:
@@ -336,7 +351,10 @@ class LlamaWeights:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as Llama computes it (in float32). x (..., D)."""
-        if x.dtype == torch.float32:  # one fused op instead of six
+        if x.dtype == torch.float32:  # one op instead of six: the extension's (as the C++ loop's), else PyTorch's
+            ext = layerloop.kernels() if x.device.type == "cpu" and weight.dtype == torch.float32 else None
+            if ext is not None:
+                return ext.rms_norm(x, weight, self.eps)  # type: ignore[no-any-return]
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -497,8 +515,8 @@ class BatchLlama(LlamaWeights):
         EPYC with avx512_bf16 the masked pass rounds some rows differently)."""
         chain = q.shape[2] - len(node_keys)
         parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
-        parts += [F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx],
-                                                 enable_gqa=gqa) for j, idx in enumerate(node_keys, chain)]
+        parts += [one_query(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx], len(idx), gqa)
+                  for j, idx in enumerate(node_keys, chain)]
         return torch.cat(parts, dim=2)
 
     @torch.inference_mode()

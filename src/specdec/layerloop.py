@@ -2,9 +2,12 @@
 
 `BatchLlama.forward_fused` runs its layers through here where it can (`stack_for`): the CPU,
 float32 activations (float32 weights, or 4-bit ones on any kernel), rows without token trees.
-The C++ loop calls the same ATen operations as the Python loop, in the same order and on the
-same shapes, so it computes the Python loop's bits exactly (tested); it removes the
-interpreter's work around each of them (about 50 Python calls a layer, 1,500 a SmolLM2 step).
+The C++ loop computes what the Python loop computes, in the same order and on the same shapes:
+the same ATen operations, the same small kernels of the extension (`kernels`: RMSNorm and the
+attention of one query, which the Python loop calls too, for float32 on the CPU), and the rotary
+positions fused element for element as ATen computes them; so it computes the Python loop's bits
+exactly (tested). It removes the interpreter's work around each operation (about 50 Python calls
+a layer, 1,500 a SmolLM2 step) and a dozen small operations a layer.
 Token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
 
 SPECDEC_LAYER_LOOP chooses: "auto" (the default: C++ where it applies and the extension builds
@@ -22,6 +25,11 @@ from specdec import qgemm
 from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
+# A query alone attends through the extension's `attend_one` up to this many keys, through PyTorch's
+# attention beyond (measured, one thread: 17 against 41 us at 64 keys, equal at 256, 0.6-0.7x
+# beyond: its vectorised exponentials win on long contexts). It depends on the query's
+# position only, so a one-token step and the same query in a verification pass attend alike.
+ONE_QUERY_MAX = 256
 _KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3}
 _FORMATS = {"Q4_1": 0, "Q8_0": 1}
 
@@ -32,6 +40,12 @@ def loop_choice() -> str:
     if want not in LOOPS:
         raise ValueError(f"SPECDEC_LAYER_LOOP must be one of {', '.join(LOOPS)}, got {want!r}")
     return want
+
+
+def kernels() -> Any:
+    """The extension's small kernels (`rms_norm`, `attend_one`, `rope_heads`), or None where it
+    does not build here. Both loops use them for float32 on the CPU, so both compute the same bits."""
+    return qgemm.module() if qgemm.available() else None
 
 
 def _product(module: Any, weight: Any, int4_rows: str) -> Any:
@@ -68,7 +82,8 @@ def _build(lm: Any) -> Any:
     if not qgemm.available():
         return None
     module = qgemm.module()
-    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, lm.exact_rows)
+    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, lm.exact_rows,
+                         ONE_QUERY_MAX)
     for w in lm.layers:
         products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:

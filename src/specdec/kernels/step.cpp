@@ -1,14 +1,21 @@
-// The layer loop of specdec's lean Llama path (BatchLlama.forward_fused for rows without token trees), in C++.
+// The layer loop of specdec's lean Llama path (BatchLlama.forward_fused for rows without token trees), in C++,
+// and the small kernels both loops share (RMSNorm, rotary positions, attention of one query).
 //
-// It calls the same ATen operations, in the same order and on the same shapes, as the Python loop in
-// src/specdec/fastllama.py (`_attention`, `_mlp`, `_norm`, `exact_attention`, `Int4Weight.mm`), so its results
-// are bit for bit the Python loop's (tests/test_step.py checks that); what it removes is the interpreter's work
-// around each operation (~50 Python calls a layer). The products run on the kernel each weight was loaded for:
-// PyTorch's int4 kernel (bfloat16 activations), specdec.qgemm's block kernels, or a float matrix.
+// It computes what the Python loop in src/specdec/fastllama.py computes (`_attention`, `_mlp`, `_norm`,
+// `exact_attention`, `Int4Weight.mm`), on the same shapes and in the same order: the same ATen operations where
+// it calls ATen, the same functions of this file where the Python loop calls them (specdec.layerloop), and
+// element for element the same arithmetic where it fuses ATen operations (the rotary positions); so its results
+// are bit for bit the Python loop's (tests/test_layerloop.py). What it removes is the interpreter's work around
+// each operation (~50 Python calls a layer) and a dozen small operations a layer. The products run on the kernel
+// each weight was loaded for: PyTorch's int4 kernel (bfloat16 activations), specdec.qgemm's block kernels, or a
+// float matrix.
 #include <torch/extension.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -22,6 +29,134 @@ namespace {
 constexpr int64_t GROUP = 32;  // the int4 kernel's group size (specdec.int4.GROUP)
 
 enum Kind : int64_t { FLOAT = 0, INT4_TORCH = 1, BLOCKS = 2, BLOCKS8 = 3 };
+
+// ------------------------------------------------------------------------------------------------ small kernels
+// Each computes every row (and every query) by one fixed sequence of float operations, whatever else shares the
+// call: rows never depend on the batch, the row count or the thread count. The Python loop calls the same
+// functions (specdec.layerloop), so both loops compute the same bits.
+
+// Sum of squares of n floats: eight running sums (positions j % 8), then a fixed tree.
+inline float sum_squares(const float* x, int64_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) s[l] += x[j + l] * x[j + l];
+  for (int l = 0; j < n; ++j, ++l) s[l] += x[j] * x[j];
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+// RMSNorm of each row of x (..., D) float32: x / sqrt(mean(x^2) + eps) * weight.
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "rms_norm: x must be float32 on the CPU");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "rms_norm: weight must be float32 (D,)");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t D = xc.size(-1), rows = D ? xc.numel() / D : 0;
+  const float* px = xc.data_ptr<float>();
+  const float* pw = wc.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = px + r * D;
+    float* yr = po + r * D;
+    const float inv = 1.0f / std::sqrt(sum_squares(xr, D) / static_cast<float>(D) + e);
+    for (int64_t j = 0; j < D; ++j) yr[j] = (xr[j] * inv) * pw[j];
+  }
+  return out;
+}
+
+// The rotary positions of heads (B, H, n, hd) at cos and sin_signed (B, 1, n, hd): x * cos + roll(x, hd/2) *
+// sin_signed, element for element what those three ATen operations compute (products and a sum, each rounded
+// once), laid out as they lay it out ((B, n, H, hd) memory, returned as (B, H, n, hd)).
+torch::Tensor rope_heads(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
+  const int64_t B = heads.size(0), H = heads.size(1), n = heads.size(2), hd = heads.size(3), half = hd / 2;
+  TORCH_CHECK(heads.stride(3) == 1 && cos.stride(3) == 1 && sin_signed.stride(3) == 1, "rope: rows must be dense");
+  auto out = at::empty({B, n, H, hd}, heads.options());
+  const float* px = heads.data_ptr<float>();
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin_signed.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t xb = heads.stride(0), xh = heads.stride(1), xt = heads.stride(2);
+  const int64_t cb = cos.stride(0), ct = cos.stride(2), sb = sin_signed.stride(0), st = sin_signed.stride(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* c = pc + b * cb + t * ct;
+      const float* s = ps + b * sb + t * st;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* x = px + b * xb + h * xh + t * xt;
+        float* y = po + ((b * n + t) * H + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+          const float a = x[d] * c[d];
+          const float r = x[d < half ? d + half : d - half] * s[d];
+          y[d] = a + r;
+        }
+      }
+    }
+  return out.transpose(1, 2);
+}
+
+// Attention of one query over `end` keys: q (1, Hq, 1, hd), keys and values (1, Hkv, >= end, hd) with dense rows
+// (any strides otherwise); query head h reads key head h / (Hq / Hkv). Per head: scores q.k / sqrt(hd) (dot
+// products in eight running sums), softmax from the largest score, then the weighted sum of the values in key
+// order, divided by the weights' sum. Returns (1, Hq, 1, hd).
+torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "attend_one: float32 only");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1, "attend_one: q must be (1, Hq, 1, hd)");
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(2) >= end && end > 0, "attend_one: keys too short");
+  const auto qc = q.stride(3) == 1 ? q : q.contiguous();
+  const auto kc = keys.stride(3) == 1 ? keys : keys.contiguous();
+  const auto vc = values.stride(3) == 1 ? values : values.contiguous();
+  const int64_t Hq = qc.size(1), Hkv = kc.size(1), hd = qc.size(3);
+  TORCH_CHECK(Hq % Hkv == 0 && vc.size(1) == Hkv && kc.size(3) == hd && vc.size(3) == hd,
+              "attend_one: heads and head sizes must agree");
+  const int64_t group = Hq / Hkv;
+  auto out = at::empty({1, Hq, 1, hd}, qc.options());
+  const float* pq = qc.data_ptr<float>();
+  const float* pk = kc.data_ptr<float>();
+  const float* pv = vc.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t qh = qc.stride(1), kh = kc.stride(1), kt = kc.stride(2), vh = vc.stride(1), vt = vc.stride(2);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // ~hd multiply-adds a key for the scores and as many for the values: a thread takes >= 16K of them
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, 2 * hd * end));
+  at::parallel_for(0, Hq, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> p(static_cast<size_t>(end));
+    std::vector<float> acc(static_cast<size_t>(hd));
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qv = pq + h * qh;
+      const float* kbase = pk + (h / group) * kh;
+      const float* vbase = pv + (h / group) * vh;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < end; ++t) {
+        const float* k = kbase + t * kt;
+        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8)
+          for (int l = 0; l < 8; ++l) s[l] += qv[d + l] * k[d + l];
+        for (int l = 0; d < hd; ++d, ++l) s[l] += qv[d] * k[d];
+        p[t] = ((((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])))) * scale;
+        top = std::max(top, p[t]);
+      }
+      float total = 0.0f;
+      for (int64_t t = 0; t < end; ++t) {
+        p[t] = std::exp(p[t] - top);
+        total += p[t];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < end; ++t) {
+        const float* v = vbase + t * vt;
+        const float w = p[t];
+        for (int64_t d = 0; d < hd; ++d) acc[d] += w * v[d];
+      }
+      float* y = po + h * hd;
+      for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
+    }
+  });
+  return out;
+}
 
 // One product x @ W.T of a layer, as `LlamaWeights._mm` computes it for that weight.
 struct Product {
@@ -77,8 +212,10 @@ struct Layer {
 // The model's layers and shapes, built once per model (`specdec.step.stack_for`).
 class Stack {
  public:
-  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, bool exact_rows)
-      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), chunk_(chunk), exact_rows_(exact_rows) {}
+  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, bool exact_rows,
+        int64_t one_query_max)
+      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), chunk_(chunk), exact_rows_(exact_rows),
+        one_query_max_(one_query_max) {}
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
     TORCH_CHECK(products.size() == 4, "a layer has four products (qkv, o, gate_up, down)");
@@ -119,11 +256,7 @@ class Stack {
 
  private:
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight) const {
-    return at::rms_norm(x, {x.size(-1)}, weight, eps_);
-  }
-
-  torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) const {
-    return x * cos + at::roll(x, {x.size(-1) / 2}, {-1}) * sin_signed;
+    return rms_norm_rows(x, weight, eps_);
   }
 
   torch::Tensor mlp(const torch::Tensor& x, const Layer& w) const {
@@ -132,26 +265,34 @@ class Stack {
   }
 
   // `exact_attention`: the leading n - solo queries in causal blocks ending at multiples of the chunk, then each
-  // of the last `solo` queries alone.
+  // of the last `solo` queries alone; a query alone attends through `one_query`.
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, int64_t solo, bool gqa) const {
     const int64_t n = q.size(2), lead = n - solo;
     std::vector<torch::Tensor> parts;
     for (int64_t a = 0; a < lead;) {
       const int64_t b = std::min(lead, (start + a) / chunk_ * chunk_ + chunk_ - start);
-      std::optional<torch::Tensor> mask;
-      if (b - a != 1)
-        mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
-      parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), keys.slice(2, 0, start + b),
-                                                       values.slice(2, 0, start + b), mask, 0.0, false,
-                                                       std::nullopt, gqa));
+      if (b - a == 1) {
+        parts.push_back(one_query(q.slice(2, a, b), keys, values, start + b, gqa));
+      } else {
+        auto mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
+        parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), keys.slice(2, 0, start + b),
+                                                         values.slice(2, 0, start + b), mask, 0.0, false,
+                                                         std::nullopt, gqa));
+      }
       a = b;
     }
-    for (int64_t j = lead; j < n; ++j)
-      parts.push_back(at::scaled_dot_product_attention(q.slice(2, j, j + 1), keys.slice(2, 0, start + j + 1),
-                                                       values.slice(2, 0, start + j + 1), std::nullopt, 0.0, false,
-                                                       std::nullopt, gqa));
+    for (int64_t j = lead; j < n; ++j) parts.push_back(one_query(q.slice(2, j, j + 1), keys, values, start + j + 1, gqa));
     return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+  }
+
+  // One query over the first `end` keys (`specdec.layerloop.one_query`): attend_one up to one_query_max keys,
+  // PyTorch's attention beyond (a query's method depends on its position only).
+  torch::Tensor one_query(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end,
+                          bool gqa) const {
+    if (end <= one_query_max_) return attend_one(q, keys, values, end);
+    return at::scaled_dot_product_attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), std::nullopt, 0.0,
+                                            false, std::nullopt, gqa);
   }
 
   torch::Tensor attention(int64_t i, const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin_signed,
@@ -161,7 +302,7 @@ class Stack {
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_;
     const Layer& w = layers_[i];
     auto heads = w.qkv.mm(h).view({rows, n, -1, hd}).transpose(1, 2);  // (B, Hq + 2 Hkv, n, hd)
-    auto qk = rope(heads.slice(1, 0, n_heads_ + n_kv_), cos, sin_signed);
+    auto qk = rope_heads(heads.slice(1, 0, n_heads_ + n_kv_), cos, sin_signed);
     auto q = qk.slice(1, 0, n_heads_), k = qk.slice(1, n_heads_);
     auto v = heads.slice(1, n_heads_ + n_kv_);
     const bool gqa = n_kv_ != n_heads_;
@@ -187,6 +328,7 @@ class Stack {
   double eps_;
   int64_t chunk_;
   bool exact_rows_;
+  int64_t one_query_max_;
   std::vector<Layer> layers_;
 };
 
@@ -206,9 +348,16 @@ void register_step(pybind11::module& m) {
            py::arg("kind"), py::arg("weight"), py::arg("fmt"), py::arg("packed"), py::arg("scales_zeros"),
            py::arg("out_rows"), py::arg("in_features"), py::arg("solo"))
       .def("mm", &Product::mm, "x (..., K) @ W.T -> (..., out_rows), as LlamaWeights._mm computes it");
+  m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row of x (..., D) float32, one fixed order a row",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("attend_one", &attend_one, "one query (1, Hq, 1, hd) over the first `end` keys (1, Hkv, T, hd), float32",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("end"));
+  m.def("rope_heads", &rope_heads, "x * cos + roll(x, hd/2) * sin_signed for heads (B, H, n, hd)", py::arg("heads"),
+        py::arg("cos"), py::arg("sin_signed"));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, bool>(), py::arg("n_heads"), py::arg("n_kv"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"))
+      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>(), py::arg("n_heads"),
+           py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"),
+           py::arg("one_query_max"))
       .def("add_layer", &Stack::add_layer)
       .def("__len__", &Stack::size)
       .def("run", &Stack::run, py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -171,8 +172,10 @@ struct Product {
 
   // flat (M, K) in the kernel's activation dtype, contiguous -> (M, out_rows) float32 (`Int4Weight._product`)
   torch::Tensor product(const torch::Tensor& flat) const {
-    if (kind == BLOCKS) return qgemm_blocks_mm(flat, weight, fmt);
-    if (kind == BLOCKS8) return qgemm_blocks_mm8(flat, weight, fmt);
+    if (kind == BLOCKS || kind == BLOCKS8) {
+      RECORD_FUNCTION("specdec_qgemm", std::vector<c10::IValue>());  // named for scripts/step-profile
+      return kind == BLOCKS ? qgemm_blocks_mm(flat, weight, fmt) : qgemm_blocks_mm8(flat, weight, fmt);
+    }
     torch::Tensor out;
     for (size_t p = 0; p < packed.size(); ++p) {
       auto part = at::_weight_int4pack_mm_for_cpu(flat, packed[p], GROUP, scales_zeros[p]).to(at::kFloat);

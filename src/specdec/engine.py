@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specdec import layerloop
 from specdec.batch import BatchEngine
 from specdec.costmodel import Costs
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
@@ -302,9 +303,11 @@ class SpeculativeDecoder:
         from specdec.defaults import cpu_model
 
         model = getattr(self.target, "model", None)
-        return {"version": 4, "target": self.target.name, "target_class": type(self.target).__name__,
+        rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
+        loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
+        return {"version": 5, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
-                "int4_kernel": str(getattr(self.target, "int4_kernel", "")),
+                "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "device": str(self.target.device),
                 "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),

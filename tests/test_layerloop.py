@@ -93,9 +93,9 @@ def test_the_small_kernels_compute_what_pytorch_does_within_float_rounding(built
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(7, 576, generator=gen) * 3, torch.rand(576, generator=gen)
     assert torch.allclose(ext.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)
-    for end in (1, 37, 256):
+    for end in (1, 37, 256, 1029):
         q = torch.randn(1, 9, 1, 64, generator=gen)
-        keys, values = torch.randn(2, 1, 3, 300, 64, generator=gen)
+        keys, values = torch.randn(2, 1, 3, 1100, 64, generator=gen) * 2
         want = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=True)
         assert torch.allclose(ext.attend_one(q, keys, values, end), want, rtol=1e-5, atol=1e-6)
     heads = torch.randn(2, 7, 5, 64, generator=gen).transpose(1, 2)  # (B, H, n, hd), (B, n, H, hd) in memory

@@ -15,6 +15,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -100,8 +104,71 @@ torch::Tensor rope_heads(const torch::Tensor& heads, const torch::Tensor& cos, c
 
 // Attention of one query over `end` keys: q (1, Hq, 1, hd), keys and values (1, Hkv, >= end, hd) with dense rows
 // (any strides otherwise); query head h reads key head h / (Hq / Hkv). Per head: scores q.k / sqrt(hd) (dot
-// products in eight running sums), softmax from the largest score, then the weighted sum of the values in key
-// order, divided by the weights' sum. Returns (1, Hq, 1, hd).
+// products in eight running sums, summed by a fixed tree), exponentials of the scores less the largest, then the
+// weighted sum of the values in key order, divided by the weights' sum (summed in key order). Every key's
+// arithmetic is the same whatever `end` is. Returns (1, Hq, 1, hd).
+#ifdef __AVX2__
+// exp(x) for x <= 0, eight at once (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n); below
+// -87 (where float32 exp underflows) it gives 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
+// p[0, n) = exp(p - top), n rounded up to a multiple of 8 (the buffer's padding holds -inf).
+inline void exp_shifted(float* p, int64_t n, float top) {
+#ifdef __AVX2__
+  const __m256 t = _mm256_set1_ps(top);
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(p + i, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), t)));
+#else
+  for (int64_t i = 0; i < n; ++i) p[i] = std::exp(p[i] - top);
+#endif
+}
+
+// sum of a[d] * b[d]: eight running sums (positions d % 8; each starts as its first product), then the fixed tree
+// ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)).
+inline float dot8(const float* a, const float* b, int64_t n) {
+#ifdef __AVX2__
+  if (n % 8 == 0 && n > 0) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int64_t d = 8; d < n; d += 8) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d)));
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // s0+s4, s1+s5, ...
+    const __m128 w = _mm_hadd_ps(v, v);                                                   // (v0+v1), (v2+v3)
+    return _mm_cvtss_f32(_mm_hadd_ps(w, w));
+  }
+#endif
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t d = 0; d < n; ++d) s[d % 8] = d < 8 ? a[d] * b[d] : s[d % 8] + a[d] * b[d];
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+// acc[d] += w * v[d]
+inline void add_scaled(float* acc, const float* v, float w, int64_t n) {
+  int64_t d = 0;
+#ifdef __AVX2__
+  const __m256 ww = _mm256_set1_ps(w);
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(ww, _mm256_loadu_ps(v + d))));
+#endif
+  for (; d < n; ++d) acc[d] += w * v[d];
+}
+
 torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "attend_one: float32 only");
@@ -121,10 +188,11 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
   float* po = out.data_ptr<float>();
   const int64_t qh = qc.stride(1), kh = kc.stride(1), kt = kc.stride(2), vh = vc.stride(1), vt = vc.stride(2);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // ~hd multiply-adds a key for the scores and as many for the values: a thread takes >= 16K of them
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, 2 * hd * end));
+  const int64_t padded = (end + 7) / 8 * 8;
+  // ~hd multiply-adds a key for the scores and as many for the values: a thread takes >= 64K of them
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * end));
   at::parallel_for(0, Hq, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> p(static_cast<size_t>(end));
+    std::vector<float> p(static_cast<size_t>(padded), -INFINITY);
     std::vector<float> acc(static_cast<size_t>(hd));
     for (int64_t h = h0; h < h1; ++h) {
       const float* qv = pq + h * qh;
@@ -132,26 +200,14 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
       const float* vbase = pv + (h / group) * vh;
       float top = -INFINITY;
       for (int64_t t = 0; t < end; ++t) {
-        const float* k = kbase + t * kt;
-        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t d = 0;
-        for (; d + 8 <= hd; d += 8)
-          for (int l = 0; l < 8; ++l) s[l] += qv[d + l] * k[d + l];
-        for (int l = 0; d < hd; ++d, ++l) s[l] += qv[d] * k[d];
-        p[t] = ((((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])))) * scale;
+        p[t] = dot8(qv, kbase + t * kt, hd) * scale;
         top = std::max(top, p[t]);
       }
+      exp_shifted(p.data(), padded, top);
       float total = 0.0f;
-      for (int64_t t = 0; t < end; ++t) {
-        p[t] = std::exp(p[t] - top);
-        total += p[t];
-      }
+      for (int64_t t = 0; t < end; ++t) total += p[t];
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < end; ++t) {
-        const float* v = vbase + t * vt;
-        const float w = p[t];
-        for (int64_t d = 0; d < hd; ++d) acc[d] += w * v[d];
-      }
+      for (int64_t t = 0; t < end; ++t) add_scaled(acc.data(), vbase + t * vt, p[t], hd);
       float* y = po + h * hd;
       for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
     }

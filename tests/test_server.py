@@ -217,6 +217,22 @@ def test_a_full_queue_gets_429_and_a_deadline_ends_a_request(slow_decoder):
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_deadline_before_the_first_token_is_a_503_not_a_500(slow_decoder):
+    # a row still waiting for its prompt's prefill (a token a step here) when its deadline passes:
+    # as a request timed out in the queue, a 503 (64 concurrent 1,000-token prompts on a default
+    # server got 500s "server_error" so)
+    config = ServerConfig(max_batch=1, timeout_s=0.5, prefill_chunk=1)
+    with serve_in_thread(create_app(slow_decoder, "tiny", config)) as url, \
+            httpx.Client(base_url=url, timeout=30) as c:
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={"prompt": list(range(3, 83)), "max_tokens": 4, "stream": stream})
+            err = _error(r, 503, "timed out before its first token")
+            assert err["code"] == "deadline"
+        metrics = c.get("/metrics").text
+        assert 'specdec_requests_total{endpoint="completions",outcome="deadline"} 2.0' in metrics
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_api_key(decoder):
     key = "s3cret-key"
     config = ServerConfig(api_key=key)

@@ -331,7 +331,9 @@ class Scheduler:
             if row.stream.cancelled:
                 self._finish_row(engine, row, End("cancelled", row.stream.cancelled))
             elif row.stream.deadline is not None and now > row.stream.deadline:
-                self._finish_row(engine, row, End("deadline", "the request's deadline passed"))
+                # 503 as in the queue when it has no token yet (e.g. still waiting for its prompt's
+                # prefill); with tokens sent, its answer ends there instead (deadline_exceeded)
+                self._finish_row(engine, row, End("deadline", "the request timed out before its first token", 503))
         rows = list(self._rows)
         if not rows:
             return

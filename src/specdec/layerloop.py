@@ -25,12 +25,7 @@ from specdec import qgemm
 from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
-# A query alone attends through the extension's `attend_one` up to this many keys (every context
-# here), through PyTorch's attention beyond. Measured on a 2-core AMD EPYC (AVX2), 9 query heads over
-# 3 key heads of 64: 13-17 us against 26-37 us at 64 keys, 149 against 188 at 1,024, 590 against 685
-# at 4,096 (1 and 2 threads). A query's method depends on its position only, so a one-token step and
-# the same query in a verification pass attend alike.
-ONE_QUERY_MAX = 1 << 20
+
 _KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3}
 _FORMATS = {"Q4_1": 0, "Q8_0": 1}
 
@@ -83,8 +78,7 @@ def _build(lm: Any) -> Any:
     if not qgemm.available():
         return None
     module = qgemm.module()
-    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, lm.exact_rows,
-                         ONE_QUERY_MAX)
+    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, lm.exact_rows)
     for w in lm.layers:
         products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:

@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 // specdec.qgemm's products (qgemm.cpp, qgemm8.cpp): x (M, K) float32 contiguous @ blocks.T, fmt 0 Q4_1, 1 Q8_0.
@@ -271,10 +270,8 @@ struct Layer {
 // The model's layers and shapes, built once per model (`specdec.step.stack_for`).
 class Stack {
  public:
-  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, bool exact_rows,
-        int64_t one_query_max)
-      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), chunk_(chunk), exact_rows_(exact_rows),
-        one_query_max_(one_query_max) {}
+  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, bool exact_rows)
+      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), chunk_(chunk), exact_rows_(exact_rows) {}
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
     TORCH_CHECK(products.size() == 4, "a layer has four products (qkv, o, gate_up, down)");
@@ -324,7 +321,7 @@ class Stack {
   }
 
   // `exact_attention`: the leading n - solo queries in causal blocks ending at multiples of the chunk, then each
-  // of the last `solo` queries alone; a query alone attends through `one_query`.
+  // of the last `solo` queries alone; a query alone attends through attend_one (as `fastllama.one_query` does).
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, int64_t solo, bool gqa) const {
     const int64_t n = q.size(2), lead = n - solo;
@@ -332,7 +329,7 @@ class Stack {
     for (int64_t a = 0; a < lead;) {
       const int64_t b = std::min(lead, (start + a) / chunk_ * chunk_ + chunk_ - start);
       if (b - a == 1) {
-        parts.push_back(one_query(q.slice(2, a, b), keys, values, start + b, gqa));
+        parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b));
       } else {
         auto mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
         parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), keys.slice(2, 0, start + b),
@@ -341,17 +338,8 @@ class Stack {
       }
       a = b;
     }
-    for (int64_t j = lead; j < n; ++j) parts.push_back(one_query(q.slice(2, j, j + 1), keys, values, start + j + 1, gqa));
+    for (int64_t j = lead; j < n; ++j) parts.push_back(attend_one(q.slice(2, j, j + 1), keys, values, start + j + 1));
     return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
-  }
-
-  // One query over the first `end` keys (`specdec.layerloop.one_query`): attend_one up to one_query_max keys,
-  // PyTorch's attention beyond (a query's method depends on its position only).
-  torch::Tensor one_query(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end,
-                          bool gqa) const {
-    if (end <= one_query_max_) return attend_one(q, keys, values, end);
-    return at::scaled_dot_product_attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), std::nullopt, 0.0,
-                                            false, std::nullopt, gqa);
   }
 
   torch::Tensor attention(int64_t i, const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin_signed,
@@ -387,7 +375,6 @@ class Stack {
   double eps_;
   int64_t chunk_;
   bool exact_rows_;
-  int64_t one_query_max_;
   std::vector<Layer> layers_;
 };
 
@@ -414,9 +401,8 @@ void register_step(pybind11::module& m) {
   m.def("rope_heads", &rope_heads, "x * cos + roll(x, hd/2) * sin_signed for heads (B, H, n, hd)", py::arg("heads"),
         py::arg("cos"), py::arg("sin_signed"));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>(), py::arg("n_heads"),
-           py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"),
-           py::arg("one_query_max"))
+      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, bool>(), py::arg("n_heads"), py::arg("n_kv"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"))
       .def("add_layer", &Stack::add_layer)
       .def("__len__", &Stack::size)
       .def("run", &Stack::run, py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),

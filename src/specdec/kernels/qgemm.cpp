@@ -7,6 +7,8 @@
 // Every weight block is de-quantized (float32, d and m converted from fp16 exactly) once per tile of up to
 // 6 activation rows and applied to all of them (Q4_1 through a 16-entry table lut[v] = fma(d, v, m) and
 // vpermps), so a product of a few rows pays for the unpacking once; what remains per row is 2 FMAs a block.
+// On AVX2, a product of more tiles (a prompt's chunk, a batch's verification pass) de-quantizes a few weight
+// rows at a time into a panel in L1 and applies it to every tile, so each weight is unpacked once per product.
 //
 // Exactness. Each output element is computed by one fixed sequence of float operations, whatever M, the
 // other rows, the tiling, the thread count or the instruction set (scalar, AVX2, AVX-512: all three give
@@ -248,6 +250,92 @@ void tile_avx2_one_pass(const Args& a, int64_t r0, int64_t n) {
   }
 }
 
+// Tiles of three or more rows against weight rows de-quantized beforehand (`panel`: row n's K weights as float32,
+// exactly the values dequant_block_avx2 gives): the same multiply-adds in the same order as tile_avx2 (two passes,
+// two accumulators a row and a pass), so the same bits; but each weight row is de-quantized once for every tile of
+// the product instead of once a tile, and the loads of the panel stay in L1. 1.3x (5 rows) to 1.6x (10 and more)
+// faster than tile_avx2 on a 2-core AMD EPYC with AVX2 (SmolLM2's 3072x576 product, 1 thread, in cache).
+template <int MT>
+void tile_panel_avx2(const Args& a, int64_t r0, const float* panel, int64_t n) {
+  const int64_t KB = a.K / QK;
+  const float* x = a.xp + r0 * a.K;
+  __m256 first[MT][2];
+  __m256 acc[MT][2];
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; ++b) {
+      const __m256 w0 = _mm256_loadu_ps(panel + b * QK + 16 * h);
+      const __m256 w1 = _mm256_loadu_ps(panel + b * QK + 16 * h + 8);
+      const float* xb = x + b * MT * QK + 16 * h;
+      for (int r = 0; r < MT; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK), w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8), w1, acc[r][1]);
+      }
+    }
+    if (h == 0) {
+      for (int r = 0; r < MT; ++r) {
+        first[r][0] = acc[r][0];
+        first[r][1] = acc[r][1];
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m256 t_lo = _mm256_add_ps(first[r][0], acc[r][0]);
+    const __m256 t_hi = _mm256_add_ps(first[r][1], acc[r][1]);
+    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
+  }
+}
+
+// The one-pass tile (tile_avx2_one_pass's order: four accumulators a row) against a de-quantized panel, for up to
+// three rows: where a tile of five rows' activations (K = 1536: 30 KB) would not stay in L1 beside the panel.
+template <int MT>
+void tile_panel_one_pass(const Args& a, int64_t r0, const float* panel, int64_t n) {
+  const int64_t KB = a.K / QK;
+  const float* x = a.xp + r0 * a.K;
+  __m256 acc[MT][4];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const float* xb = x + b * MT * QK;
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_loadu_ps(panel + b * QK + 8 * j);
+      for (int r = 0; r < MT; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8 * j), w, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m256 t_lo = _mm256_add_ps(acc[r][0], acc[r][2]);
+    const __m256 t_hi = _mm256_add_ps(acc[r][1], acc[r][3]);
+    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
+  }
+}
+
+// Weight row n's K weights, de-quantized as dequant_block_avx2 does, into panel.
+template <Fmt F>
+void dequant_row_avx2(const Args& a, int64_t n, float* panel) {
+  constexpr int64_t BB = block_bytes<F>();
+  const int64_t KB = a.K / QK;
+  const uint8_t* row = a.w + n * a.row_bytes;
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256 w[4];
+    dequant_block_avx2<F>(row + b * BB, w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(panel + b * QK + 8 * j, w[j]);
+  }
+}
+
+// Products of more than one tile of rows: a few weight rows de-quantized at a time (a panel in L1), then every tile
+// of rows against them.
+constexpr int64_t PANEL_ROWS = 8;
+
+void dispatch_panel(const Args& a, int64_t r0, int mt, const float* panel, int64_t n) {
+  switch (mt) {
+    case 1: return tile_panel_one_pass<1>(a, r0, panel, n);
+    case 2: return tile_panel_one_pass<2>(a, r0, panel, n);
+    case 3: return tile_panel_avx2<3>(a, r0, panel, n);
+    case 4: return tile_panel_avx2<4>(a, r0, panel, n);
+    default: return tile_panel_avx2<5>(a, r0, panel, n);
+  }
+}
+
 template <Fmt F>
 void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n) {
   switch (mt) {
@@ -396,6 +484,8 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   if (impl == AVX512) single = AVX512_SINGLE, tile = AVX512_TILE;
 #endif
 #ifdef QGEMM_AVX2
+  // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see dispatch_panel.
+  const bool panels = impl == AVX2 && M > (F == Q4_1 ? 1 : 2) * AVX2_TILE;
   if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
 #endif
   const auto tiles = row_tiles(M, single, tile);
@@ -423,8 +513,18 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
 #endif
 #ifdef QGEMM_AVX2
       case AVX2:
-        for (int64_t n = n0; n < n1; ++n)
-          for (const auto& t : tiles) dispatch_avx2<F>(a, t.first, t.second, n);
+        if (panels) {
+          std::vector<float> panel(static_cast<size_t>(PANEL_ROWS * a.K));
+          for (int64_t g = n0; g < n1; g += PANEL_ROWS) {
+            const int64_t g1 = std::min(n1, g + PANEL_ROWS);
+            for (int64_t n = g; n < g1; ++n) dequant_row_avx2<F>(a, n, panel.data() + (n - g) * a.K);
+            for (const auto& t : tiles)
+              for (int64_t n = g; n < g1; ++n) dispatch_panel(a, t.first, t.second, panel.data() + (n - g) * a.K, n);
+          }
+        } else {
+          for (int64_t n = n0; n < n1; ++n)
+            for (const auto& t : tiles) dispatch_avx2<F>(a, t.first, t.second, n);
+        }
         break;
 #endif
       default:

@@ -168,6 +168,25 @@ inline void add_scaled(float* acc, const float* v, float w, int64_t n) {
   for (; d < n; ++d) acc[d] += w * v[d];
 }
 
+// One head of one query: q (hd) over keys and values [0, end) (rows kt and vt floats apart) into y (hd). p holds
+// end rounded up to a multiple of 8 floats, its padding -inf; acc hd floats.
+inline void attend_head(const float* qv, const float* kbase, int64_t kt, const float* vbase, int64_t vt, int64_t end,
+                        int64_t hd, float scale, float* p, float* acc, float* y) {
+  const int64_t padded = (end + 7) / 8 * 8;
+  float top = -INFINITY;
+  for (int64_t t = 0; t < end; ++t) {
+    p[t] = dot8(qv, kbase + t * kt, hd) * scale;
+    top = std::max(top, p[t]);
+  }
+  for (int64_t t = end; t < padded; ++t) p[t] = -INFINITY;
+  exp_shifted(p, padded, top);
+  float total = 0.0f;
+  for (int64_t t = 0; t < end; ++t) total += p[t];
+  std::fill(acc, acc + hd, 0.0f);
+  for (int64_t t = 0; t < end; ++t) add_scaled(acc, vbase + t * vt, p[t], hd);
+  for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
+}
+
 torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "attend_one: float32 only");
@@ -193,23 +212,9 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
   at::parallel_for(0, Hq, grain, [&](int64_t h0, int64_t h1) {
     std::vector<float> p(static_cast<size_t>(padded), -INFINITY);
     std::vector<float> acc(static_cast<size_t>(hd));
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* qv = pq + h * qh;
-      const float* kbase = pk + (h / group) * kh;
-      const float* vbase = pv + (h / group) * vh;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < end; ++t) {
-        p[t] = dot8(qv, kbase + t * kt, hd) * scale;
-        top = std::max(top, p[t]);
-      }
-      exp_shifted(p.data(), padded, top);
-      float total = 0.0f;
-      for (int64_t t = 0; t < end; ++t) total += p[t];
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < end; ++t) add_scaled(acc.data(), vbase + t * vt, p[t], hd);
-      float* y = po + h * hd;
-      for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
-    }
+    for (int64_t h = h0; h < h1; ++h)
+      attend_head(pq + h * qh, pk + (h / group) * kh, kt, pv + (h / group) * vh, vt, end, hd, scale, p.data(),
+                  acc.data(), po + h * hd);
   });
   return out;
 }
@@ -243,7 +248,9 @@ struct Product {
   torch::Tensor mm(const torch::Tensor& x) const {
     if (kind == FLOAT) return at::matmul(x, weight.t());
     const auto act = kind == INT4_TORCH ? at::kBFloat16 : at::kFloat;
-    auto flat = x.reshape({-1, in_features}).to(act).contiguous();
+    auto flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
+    if (flat.scalar_type() != act) flat = flat.to(act);
+    if (!flat.is_contiguous()) flat = flat.contiguous();
     torch::Tensor out;
     if (flat.size(0) == 0) {
       out = at::zeros({0, out_rows}, flat.options().dtype(at::kFloat));
@@ -300,12 +307,16 @@ class Stack {
     const int64_t count = n_layers < 0 ? size() : std::min(n_layers, size());
     std::vector<torch::Tensor> kept;
     c10::InferenceMode guard;
+    // x is this call's own (the embedding's gather): added to in place until a layer's output is kept
+    bool shared = false;
     for (int64_t i = 0; i < count; ++i) {
       const Layer& w = layers_[i];
-      x = x + attention(i, norm(x, w.in_norm), cos, sin_signed, keys, values, starts, n_new, scored);
-      x = x + mlp(x, w);
+      auto a = attention(i, norm(x, w.in_norm), cos, sin_signed, keys, values, starts, n_new, scored);
+      x = shared ? x + a : x.add_(a);
+      auto m = mlp(x, w);
+      x = shared ? x + m : x.add_(m);
       for (int64_t c : capture)
-        if (c == i) kept.push_back(x);
+        if (c == i) kept.push_back(x), shared = true;
     }
     return {x, kept};
   }
@@ -342,10 +353,96 @@ class Stack {
     return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
   }
 
+  // Whether every new query of every row attends alone (one-token steps; verification passes, whose scored
+  // queries attend as one-token steps): then `attention_alone` computes the layer's attention.
+  bool all_alone(const std::vector<int64_t>& n_new, const std::vector<int64_t>& scored) const {
+    for (size_t b = 0; b < n_new.size(); ++b)
+      if (n_new[b] < 1 || (n_new[b] > 1 && !(exact_rows_ && scored[b] >= n_new[b]))) return false;
+    return true;
+  }
+
+  // `attention` where every query attends alone, on raw buffers: the rotary positions of each new query and key
+  // (rope_heads' arithmetic), keys and values written into each row's slot, each query head through attend_head
+  // (attend_one's arithmetic), the heads laid out as the output product reads them. The same bits as `attention`
+  // without its views, copies and a transpose (tested against the Python loop).
+  torch::Tensor attention_alone(int64_t i, const torch::Tensor& h, const torch::Tensor& cos,
+                                const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
+                                const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& n_new) const {
+    const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, half = hd / 2, Hq = n_heads_, Hkv = n_kv_;
+    const int64_t width = (Hq + 2 * Hkv) * hd;
+    const Layer& w = layers_[i];
+    const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width)
+    TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.stride(3) == 1 && sin_signed.stride(3) == 1,
+                "attention_alone: float32, dense rotary rows");
+    const float* src = qkv.data_ptr<float>();
+    auto qbuf = at::empty({rows, n, Hq, hd}, qkv.options());
+    auto out = rows > 1 ? at::zeros({rows, n, Hq, hd}, qkv.options()) : at::empty({rows, n, Hq, hd}, qkv.options());
+    float* qd = qbuf.data_ptr<float>();
+    float* od = out.data_ptr<float>();
+    const float* pc = cos.data_ptr<float>();
+    const float* ps = sin_signed.data_ptr<float>();
+    const int64_t cb = cos.stride(0), ct = cos.stride(2), sb = sin_signed.stride(0), st = sin_signed.stride(2);
+    struct Item {
+      const float* keys;
+      const float* values;
+      int64_t kt, vt, kh, vh, end;
+      const float* q;
+      float* y;
+    };
+    std::vector<Item> items;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      const auto layer_keys = keys[b].select(0, i), layer_values = values[b].select(0, i);  // (Hkv, T, hd)
+      TORCH_CHECK(layer_keys.stride(2) == 1 && layer_values.stride(2) == 1, "attention_alone: dense key rows");
+      float* kd = layer_keys.data_ptr<float>();
+      float* vd = layer_values.data_ptr<float>();
+      const int64_t kh = layer_keys.stride(0), kt = layer_keys.stride(1);
+      const int64_t vh = layer_values.stride(0), vt = layer_values.stride(1);
+      for (int64_t t = 0; t < n_new[b]; ++t) {
+        const float* x = src + (b * n + t) * width;
+        const float* c = pc + b * cb + t * ct;
+        const float* sn = ps + b * sb + t * st;
+        const int64_t pos = starts[b] + t;
+        for (int64_t head = 0; head < Hq + Hkv; ++head) {
+          const float* xh = x + head * hd;
+          float* y = head < Hq ? qd + ((b * n + t) * Hq + head) * hd : kd + (head - Hq) * kh + pos * kt;
+          for (int64_t d = 0; d < hd; ++d) {
+            const float a = xh[d] * c[d];
+            const float r = xh[d < half ? d + half : d - half] * sn[d];
+            y[d] = a + r;
+          }
+        }
+        for (int64_t head = 0; head < Hkv; ++head)
+          std::copy(x + (Hq + Hkv + head) * hd, x + (Hq + Hkv + head + 1) * hd, vd + head * vh + pos * vt);
+        for (int64_t head = 0; head < Hq; ++head)
+          items.push_back(Item{kd, vd, kt, vt, kh, vh, pos + 1, qd + ((b * n + t) * Hq + head) * hd,
+                               od + ((b * n + t) * Hq + head) * hd});
+        longest = std::max(longest, pos + 1);
+      }
+    }
+    const int64_t group = Hq / Hkv, padded = (longest + 7) / 8 * 8;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const auto count = static_cast<int64_t>(items.size());
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * longest));
+    at::parallel_for(0, count, grain, [&](int64_t j0, int64_t j1) {
+      std::vector<float> p(static_cast<size_t>(padded));
+      std::vector<float> acc(static_cast<size_t>(hd));
+      for (int64_t j = j0; j < j1; ++j) {
+        const Item& it = items[j];
+        const int64_t kv = (j % Hq) / group;  // items run over the query heads of each query in order
+        attend_head(it.q, it.keys + kv * it.kh, it.kt, it.values + kv * it.vh, it.vt, it.end, hd, scale, p.data(),
+                    acc.data(), it.y);
+      }
+    });
+    return w.o.mm(out.view({rows, n, Hq * hd}));
+  }
+
   torch::Tensor attention(int64_t i, const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin_signed,
                           const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                           const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new,
                           const std::vector<int64_t>& scored) const {
+    if (all_alone(n_new, scored)) return attention_alone(i, h, cos, sin_signed, keys, values, starts, n_new);
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_;
     const Layer& w = layers_[i];
     auto heads = w.qkv.mm(h).view({rows, n, -1, hd}).transpose(1, 2);  // (B, Hq + 2 Hkv, n, hd)

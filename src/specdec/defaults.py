@@ -18,7 +18,7 @@ BUNDLED = "bundled"  # the small pair trained here on the standard library (test
 
 # Prompt tokens prefilled per batched step (the longest a running stream waits for a joining
 # prompt); prompt queries attend in blocks of this size on every lean path
-PREFILL_CHUNK = 128
+PREFILL_CHUNK = 64
 
 TEMPERATURE = 1.0
 TOP_P = 1.0

@@ -121,3 +121,26 @@ def test_a_seeded_sampled_row_gives_the_same_tokens_alone_and_in_a_batch():
     alone = [decoder.generate_many([job], max_new_tokens=24, temperature=1.0)[0] for job in jobs]
     assert [g.token_ids for g in alone] == [g.token_ids for g in together]
     assert sum(g.stats.drafted for g in together) > 0
+
+
+def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
+    """On an int4 target whose head runs on GGUF blocks, eagle's draft-vocabulary head is those
+    rows' blocks (a quarter of float32's bytes for Q8_0): its logits are the float rows' up to
+    float32 rounding, and it drafts (greedy output equal to plain decoding is tested above)."""
+    import torch
+
+    from specdec.int4 import Int4Weight
+
+    decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), policy="fixed", draft_tokens=4)
+    prophet = decoder.drafters[0]
+    head = decoder.target.rows.lm_head
+    if not (isinstance(head, Int4Weight) and head.blocks is not None):
+        assert prophet.block_head is None  # a float head, or PyTorch's int4 kernel: the float rows
+        return
+    assert prophet.block_head is not None and prophet.block_head.blocks.data.shape[0] == len(prophet.vocab_ids)
+    assert prophet.block_head.nbytes * 3 < prophet.sub_head.numel() * 4
+    h = torch.randn(3, prophet.sub_head.shape[1], generator=torch.Generator().manual_seed(0))
+    want = h @ prophet.sub_head.T
+    got = prophet.draft_logits(h)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -200,6 +200,18 @@ class Int4Weight:
             other.blocks = Blocks(self.blocks.kind, self.blocks.data[:n])
         return other
 
+    def block_rows(self, index: torch.Tensor) -> Int4Weight | None:
+        """The weight's rows `index` (in that order) as a weight of their own on the same block
+        kernel (a feature prophet's head cut to its draft vocabulary: the target's own bytes,
+        a quarter of float32's for Q8_0), or None where the product does not run on blocks."""
+        if self.blocks is None:
+            return None
+        other = object.__new__(Int4Weight)
+        other.__dict__.update(self.__dict__)
+        other.blocks = Blocks(self.blocks.kind, self.blocks.data[index.to(self.blocks.data.device)].contiguous())
+        other.out_rows, other.shape = len(index), torch.Size((len(index), self.shape[1]))
+        return other
+
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         """flat (M, K) -> (M, out_rows) float32 (flat bfloat16 for PyTorch's kernel, float32 for the blocks')."""
         if self.blocks is not None:

@@ -327,7 +327,16 @@ def _feature(part: str, w: Wiring) -> Drafter:
 
         return AdaptedExitDrafter(w.target, head, vocab_ids, name=short_name(part), dtype=w.dtype)
     return FeatureDrafter(head, w.target.embeddings(), lm_head, vocab_ids, w.target.vocab_size,
-                          name=short_name(part), dtype=w.dtype)
+                          name=short_name(part), dtype=w.dtype, block_head=_block_head(w.target, vocab_ids))
+
+
+def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:
+    """A lean int4 target's head rows `vocab_ids` on its block kernel (`Int4Weight.block_rows`),
+    or None (a float head, PyTorch's int4 kernel, a transformers target)."""
+    from specdec.int4 import Int4Weight
+
+    head = getattr(getattr(target, "rows", None), "lm_head", None)
+    return head.block_rows(vocab_ids) if isinstance(head, Int4Weight) else None
 
 
 def _eagle3(part: str, w: Wiring) -> Drafter:

@@ -165,39 +165,6 @@ inline void dequant_avx2(const uint8_t* blk, int h, __m256& w0, __m256& w1) {
 
 constexpr int AVX2_TILE = 5;  // rows a tile: 2 accumulators a row and a pass (positions 0..15, then 16..31)
 
-template <Fmt F, int MT>
-void tile_avx2(const Args& a, int64_t r0, int64_t n) {
-  constexpr int64_t BB = block_bytes<F>();
-  const int64_t KB = a.K / QK;
-  const uint8_t* row = a.w + n * a.row_bytes;
-  const float* x = a.xp + r0 * a.K;
-  __m256 first[MT][2];
-  __m256 acc[MT][2];
-  for (int h = 0; h < 2; ++h) {
-    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < KB; ++b) {
-      __m256 w0, w1;
-      dequant_avx2<F>(row + b * BB, h, w0, w1);
-      const float* xb = x + b * MT * QK + 16 * h;
-      for (int r = 0; r < MT; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK), w0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8), w1, acc[r][1]);
-      }
-    }
-    if (h == 0) {
-      for (int r = 0; r < MT; ++r) {
-        first[r][0] = acc[r][0];
-        first[r][1] = acc[r][1];
-      }
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    const __m256 t_lo = _mm256_add_ps(first[r][0], acc[r][0]);  // T[0..7]
-    const __m256 t_hi = _mm256_add_ps(first[r][1], acc[r][1]);  // T[8..15]
-    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
-  }
-}
-
 // A whole block's 32 weights as four vectors of 8 (positions 0..7, 8..15, 16..23, 24..31): the values
 // dequant_avx2 gives for h = 0 and h = 1, with the block's bytes loaded once.
 template <Fmt F>
@@ -223,40 +190,30 @@ inline void dequant_block_avx2(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
-// One or two rows a tile in one pass over the blocks, with four accumulators a row (one per 8 positions of a
-// block): the same multiply-adds in the same order as tile_avx2's two passes (accumulator j here is tile_avx2's
-// accumulator j % 2 of pass j / 2), so the same bits, with four independent chains instead of two (a one-row
-// product is bound by the multiply-add's latency, not by its throughput).
-template <Fmt F, int MT>
-void tile_avx2_one_pass(const Args& a, int64_t r0, int64_t n) {
-  constexpr int64_t BB = block_bytes<F>();
-  const int64_t KB = a.K / QK;
-  const uint8_t* row = a.w + n * a.row_bytes;
-  const float* x = a.xp + r0 * a.K;
-  __m256 acc[MT][4];
-  for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    __m256 w[4];
-    dequant_block_avx2<F>(row + b * BB, w);
-    const float* xb = x + b * MT * QK;
-    for (int r = 0; r < MT; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8 * j), w[j], acc[r][j]);
-  }
-  for (int r = 0; r < MT; ++r) {
-    const __m256 t_lo = _mm256_add_ps(acc[r][0], acc[r][2]);  // T[0..7]
-    const __m256 t_hi = _mm256_add_ps(acc[r][1], acc[r][3]);  // T[8..15]
-    a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
-  }
-}
+// Where a tile's weights come from: a weight row's blocks, de-quantized as the tile reads them (`FromBlocks`), or a
+// panel the row was de-quantized into beforehand (`FromPanel`: the same values). Either gives, for block b, its
+// half h (positions 16h..16h+15) as two vectors, or all four vectors of 8.
+template <Fmt F>
+struct FromBlocks {
+  const uint8_t* row;
+  void half(int64_t b, int h, __m256& w0, __m256& w1) const { dequant_avx2<F>(row + b * block_bytes<F>(), h, w0, w1); }
+  void block(int64_t b, __m256 w[4]) const { dequant_block_avx2<F>(row + b * block_bytes<F>(), w); }
+};
 
-// Tiles of three or more rows against weight rows de-quantized beforehand (`panel`: row n's K weights as float32,
-// exactly the values dequant_block_avx2 gives): the same multiply-adds in the same order as tile_avx2 (two passes,
-// two accumulators a row and a pass), so the same bits; but each weight row is de-quantized once for every tile of
-// the product instead of once a tile, and the loads of the panel stay in L1. 1.3x (5 rows) to 1.6x (10 and more)
-// faster than tile_avx2 on a 2-core AMD EPYC with AVX2 (SmolLM2's 3072x576 product, 1 thread, in cache).
-template <int MT>
-void tile_panel_avx2(const Args& a, int64_t r0, const float* panel, int64_t n) {
+struct FromPanel {
+  const float* panel;
+  void half(int64_t b, int h, __m256& w0, __m256& w1) const {
+    w0 = _mm256_loadu_ps(panel + b * QK + 16 * h);
+    w1 = _mm256_loadu_ps(panel + b * QK + 16 * h + 8);
+  }
+  void block(int64_t b, __m256 w[4]) const {
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(panel + b * QK + 8 * j);
+  }
+};
+
+// Up to five rows a tile in two passes over the blocks (positions 0..15, then 16..31), two accumulators a row.
+template <int MT, class W>
+void tile_avx2(const Args& a, int64_t r0, int64_t n, const W& weights) {
   const int64_t KB = a.K / QK;
   const float* x = a.xp + r0 * a.K;
   __m256 first[MT][2];
@@ -264,8 +221,8 @@ void tile_panel_avx2(const Args& a, int64_t r0, const float* panel, int64_t n) {
   for (int h = 0; h < 2; ++h) {
     for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
-      const __m256 w0 = _mm256_loadu_ps(panel + b * QK + 16 * h);
-      const __m256 w1 = _mm256_loadu_ps(panel + b * QK + 16 * h + 8);
+      __m256 w0, w1;
+      weights.half(b, h, w0, w1);
       const float* xb = x + b * MT * QK + 16 * h;
       for (int r = 0; r < MT; ++r) {
         acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK), w0, acc[r][0]);
@@ -280,72 +237,66 @@ void tile_panel_avx2(const Args& a, int64_t r0, const float* panel, int64_t n) {
     }
   }
   for (int r = 0; r < MT; ++r) {
-    const __m256 t_lo = _mm256_add_ps(first[r][0], acc[r][0]);
-    const __m256 t_hi = _mm256_add_ps(first[r][1], acc[r][1]);
+    const __m256 t_lo = _mm256_add_ps(first[r][0], acc[r][0]);  // T[0..7]
+    const __m256 t_hi = _mm256_add_ps(first[r][1], acc[r][1]);  // T[8..15]
     a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
   }
 }
 
-// The one-pass tile (tile_avx2_one_pass's order: four accumulators a row) against a de-quantized panel, for up to
-// three rows: where a tile of five rows' activations (K = 1536: 30 KB) would not stay in L1 beside the panel.
-template <int MT>
-void tile_panel_one_pass(const Args& a, int64_t r0, const float* panel, int64_t n) {
+// One or two rows a tile in one pass over the blocks, with four accumulators a row (one per 8 positions of a
+// block): the same multiply-adds in the same order as tile_avx2's two passes (accumulator j here is tile_avx2's
+// accumulator j % 2 of pass j / 2), so the same bits, with four independent chains instead of two (a one-row
+// product is bound by the multiply-add's latency, not by its throughput).
+template <int MT, class W>
+void tile_avx2_one_pass(const Args& a, int64_t r0, int64_t n, const W& weights) {
   const int64_t KB = a.K / QK;
   const float* x = a.xp + r0 * a.K;
   __m256 acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
+    __m256 w[4];
+    weights.block(b, w);
     const float* xb = x + b * MT * QK;
-    for (int j = 0; j < 4; ++j) {
-      const __m256 w = _mm256_loadu_ps(panel + b * QK + 8 * j);
-      for (int r = 0; r < MT; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8 * j), w, acc[r][j]);
-    }
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + r * QK + 8 * j), w[j], acc[r][j]);
   }
   for (int r = 0; r < MT; ++r) {
-    const __m256 t_lo = _mm256_add_ps(acc[r][0], acc[r][2]);
-    const __m256 t_hi = _mm256_add_ps(acc[r][1], acc[r][3]);
+    const __m256 t_lo = _mm256_add_ps(acc[r][0], acc[r][2]);  // T[0..7]
+    const __m256 t_hi = _mm256_add_ps(acc[r][1], acc[r][3]);  // T[8..15]
     a.out[(r0 + r) * a.N + n] = reduce_u8(_mm256_add_ps(t_lo, t_hi));
+  }
+}
+
+// One tile of mt rows against weight row n.
+template <class W>
+void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n, const W& weights) {
+  switch (mt) {
+    case 1: return tile_avx2_one_pass<1>(a, r0, n, weights);
+    case 2: return tile_avx2_one_pass<2>(a, r0, n, weights);
+    case 3: return tile_avx2<3>(a, r0, n, weights);
+    case 4: return tile_avx2<4>(a, r0, n, weights);
+    default: return tile_avx2<5>(a, r0, n, weights);
   }
 }
 
 // Weight row n's K weights, de-quantized as dequant_block_avx2 does, into panel.
 template <Fmt F>
 void dequant_row_avx2(const Args& a, int64_t n, float* panel) {
-  constexpr int64_t BB = block_bytes<F>();
-  const int64_t KB = a.K / QK;
-  const uint8_t* row = a.w + n * a.row_bytes;
-  for (int64_t b = 0; b < KB; ++b) {
+  const FromBlocks<F> blocks{a.w + n * a.row_bytes};
+  for (int64_t b = 0; b < a.K / QK; ++b) {
     __m256 w[4];
-    dequant_block_avx2<F>(row + b * BB, w);
+    blocks.block(b, w);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(panel + b * QK + 8 * j, w[j]);
   }
 }
 
-// Products of more than one tile of rows: a few weight rows de-quantized at a time (a panel in L1), then every tile
-// of rows against them.
+// Products of more than one tile of rows de-quantize PANEL_ROWS weight rows at a time into a panel (in L1) and run
+// every tile against it: each weight row is de-quantized once for the product instead of once a tile, with the
+// same multiply-adds in the same order (the same bits). Products of 16-128 rows take 0.6-0.8x the time on a 2-core
+// AMD EPYC with AVX2 only (SmolLM2's products, 1 thread, in cache); for a tile or two (up to 5 or 10 rows) the
+// weights are de-quantized as each tile reads them, which measured as fast or faster there.
 constexpr int64_t PANEL_ROWS = 8;
-
-void dispatch_panel(const Args& a, int64_t r0, int mt, const float* panel, int64_t n) {
-  switch (mt) {
-    case 1: return tile_panel_one_pass<1>(a, r0, panel, n);
-    case 2: return tile_panel_one_pass<2>(a, r0, panel, n);
-    case 3: return tile_panel_avx2<3>(a, r0, panel, n);
-    case 4: return tile_panel_avx2<4>(a, r0, panel, n);
-    default: return tile_panel_avx2<5>(a, r0, panel, n);
-  }
-}
-
-template <Fmt F>
-void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n) {
-  switch (mt) {
-    case 1: return tile_avx2_one_pass<F, 1>(a, r0, n);
-    case 2: return tile_avx2_one_pass<F, 2>(a, r0, n);
-    case 3: return tile_avx2<F, 3>(a, r0, n);
-    case 4: return tile_avx2<F, 4>(a, r0, n);
-    default: return tile_avx2<F, 5>(a, r0, n);
-  }
-}
 
 #endif  // QGEMM_AVX2
 
@@ -484,7 +435,7 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   if (impl == AVX512) single = AVX512_SINGLE, tile = AVX512_TILE;
 #endif
 #ifdef QGEMM_AVX2
-  // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see dispatch_panel.
+  // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see PANEL_ROWS.
   const bool panels = impl == AVX2 && M > (F == Q4_1 ? 1 : 2) * AVX2_TILE;
   if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
 #endif
@@ -519,11 +470,12 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
             const int64_t g1 = std::min(n1, g + PANEL_ROWS);
             for (int64_t n = g; n < g1; ++n) dequant_row_avx2<F>(a, n, panel.data() + (n - g) * a.K);
             for (const auto& t : tiles)
-              for (int64_t n = g; n < g1; ++n) dispatch_panel(a, t.first, t.second, panel.data() + (n - g) * a.K, n);
+              for (int64_t n = g; n < g1; ++n)
+                dispatch_avx2(a, t.first, t.second, n, FromPanel{panel.data() + (n - g) * a.K});
           }
         } else {
           for (int64_t n = n0; n < n1; ++n)
-            for (const auto& t : tiles) dispatch_avx2<F>(a, t.first, t.second, n);
+            for (const auto& t : tiles) dispatch_avx2(a, t.first, t.second, n, FromBlocks<F>{a.w + n * a.row_bytes});
         }
         break;
 #endif

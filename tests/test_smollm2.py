@@ -144,3 +144,15 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     got = prophet.draft_logits(h)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_eagle_on_the_head_blocks_passes_check_on_the_int4_target():
+    """`specdec check`'s chi-square (certify) of eagle drafting from the head's blocks, on the
+    one loop's batched rows, temperature 1: its q is what the verifier is given, so the loop
+    stays lossless."""
+    from specdec.check import certify
+
+    decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), policy="fixed", draft_tokens=3)
+    report = certify(decoder, decoder.plain(), "The capital of France is", tokens=4, samples=300, temperature=1.0)
+    assert report.result.passed, report.result
+    assert report.acceptance_rate > 0

@@ -193,12 +193,8 @@ class Int4Weight:
         """The same weights, products returning their first n rows only (a head sliced to the vocabulary)."""
         if n == self.out_rows:
             return self
-        other = object.__new__(Int4Weight)
-        other.__dict__.update(self.__dict__)
-        other.out_rows, other.shape = n, torch.Size((n, self.shape[1]))
-        if self.blocks is not None:  # the rows past n are never multiplied
-            other.blocks = Blocks(self.blocks.kind, self.blocks.data[:n])
-        return other
+        # the rows past n are never multiplied
+        return self._with_rows(n, Blocks(self.blocks.kind, self.blocks.data[:n]) if self.blocks is not None else None)
 
     def block_rows(self, index: torch.Tensor) -> Int4Weight | None:
         """The weight's rows `index` (in that order) as a weight of their own on the same block
@@ -206,10 +202,13 @@ class Int4Weight:
         a quarter of float32's for Q8_0), or None where the product does not run on blocks."""
         if self.blocks is None:
             return None
+        return self._with_rows(len(index), self.blocks.rows(index.to(self.blocks.data.device)))
+
+    def _with_rows(self, n: int, blocks: Blocks | None) -> Int4Weight:
+        """This weight returning n rows, multiplied from `blocks` (everything else shared)."""
         other = object.__new__(Int4Weight)
         other.__dict__.update(self.__dict__)
-        other.blocks = Blocks(self.blocks.kind, self.blocks.data[index.to(self.blocks.data.device)].contiguous())
-        other.out_rows, other.shape = len(index), torch.Size((len(index), self.shape[1]))
+        other.out_rows, other.shape, other.blocks = n, torch.Size((n, self.shape[1])), blocks
         return other
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:

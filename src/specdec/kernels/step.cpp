@@ -71,11 +71,22 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+// One head's rotary position: y = x * c + roll(x, hd/2) * s, element for element as those ATen operations compute it
+// (products and a sum, each rounded once).
+inline void rope_head(const float* x, const float* c, const float* s, int64_t hd, float* y) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; ++d) {
+    const float a = x[d] * c[d];
+    const float r = x[d < half ? d + half : d - half] * s[d];
+    y[d] = a + r;
+  }
+}
+
 // The rotary positions of heads (B, H, n, hd) at cos and sin_signed (B, 1, n, hd): x * cos + roll(x, hd/2) *
 // sin_signed, element for element what those three ATen operations compute (products and a sum, each rounded
 // once), laid out as they lay it out ((B, n, H, hd) memory, returned as (B, H, n, hd)).
 torch::Tensor rope_heads(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
-  const int64_t B = heads.size(0), H = heads.size(1), n = heads.size(2), hd = heads.size(3), half = hd / 2;
+  const int64_t B = heads.size(0), H = heads.size(1), n = heads.size(2), hd = heads.size(3);
   TORCH_CHECK(heads.stride(3) == 1 && cos.stride(3) == 1 && sin_signed.stride(3) == 1, "rope: rows must be dense");
   auto out = at::empty({B, n, H, hd}, heads.options());
   const float* px = heads.data_ptr<float>();
@@ -88,15 +99,7 @@ torch::Tensor rope_heads(const torch::Tensor& heads, const torch::Tensor& cos, c
     for (int64_t t = 0; t < n; ++t) {
       const float* c = pc + b * cb + t * ct;
       const float* s = ps + b * sb + t * st;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* x = px + b * xb + h * xh + t * xt;
-        float* y = po + ((b * n + t) * H + h) * hd;
-        for (int64_t d = 0; d < hd; ++d) {
-          const float a = x[d] * c[d];
-          const float r = x[d < half ? d + half : d - half] * s[d];
-          y[d] = a + r;
-        }
-      }
+      for (int64_t h = 0; h < H; ++h) rope_head(px + b * xb + h * xh + t * xt, c, s, hd, po + ((b * n + t) * H + h) * hd);
     }
   return out.transpose(1, 2);
 }
@@ -369,7 +372,7 @@ class Stack {
                                 const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                                 const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                                 const std::vector<int64_t>& n_new) const {
-    const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, half = hd / 2, Hq = n_heads_, Hkv = n_kv_;
+    const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
     const int64_t width = (Hq + 2 * Hkv) * hd;
     const Layer& w = layers_[i];
     const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width)
@@ -404,15 +407,9 @@ class Stack {
         const float* c = pc + b * cb + t * ct;
         const float* sn = ps + b * sb + t * st;
         const int64_t pos = starts[b] + t;
-        for (int64_t head = 0; head < Hq + Hkv; ++head) {
-          const float* xh = x + head * hd;
-          float* y = head < Hq ? qd + ((b * n + t) * Hq + head) * hd : kd + (head - Hq) * kh + pos * kt;
-          for (int64_t d = 0; d < hd; ++d) {
-            const float a = xh[d] * c[d];
-            const float r = xh[d < half ? d + half : d - half] * sn[d];
-            y[d] = a + r;
-          }
-        }
+        for (int64_t head = 0; head < Hq + Hkv; ++head)
+          rope_head(x + head * hd, c, sn, hd,
+                    head < Hq ? qd + ((b * n + t) * Hq + head) * hd : kd + (head - Hq) * kh + pos * kt);
         for (int64_t head = 0; head < Hkv; ++head)
           std::copy(x + (Hq + Hkv + head) * hd, x + (Hq + Hkv + head + 1) * hd, vd + head * vh + pos * vt);
         for (int64_t head = 0; head < Hq; ++head)

@@ -153,7 +153,7 @@ def test_rows_are_invariant(fmt: str, n: int, k: int, threads: Callable[[int], N
 def assert_rows_invariant(mm: Callable[..., torch.Tensor], blocks: torch.Tensor, k: int,
                           threads: Callable[[int], None], impls: list[str]) -> None:
     """A random row multiplied alone (1 thread) has the bits of that row in products of 2..9, 17
-    and 40 random rows, with 1 and 2 threads, on each implementation in impls."""
+    and 15-17 and 40 random rows, with 1 and 2 threads, on each implementation in impls."""
     g = torch.Generator().manual_seed(3)
     row = torch.randn(1, k, generator=g)
     threads(1)
@@ -161,7 +161,7 @@ def assert_rows_invariant(mm: Callable[..., torch.Tensor], blocks: torch.Tensor,
     for t in (1, 2):
         threads(t)
         assert torch.equal(mm(row, blocks)[0], alone)
-        for m in (2, 3, 4, 5, 6, 7, 8, 9, 17, 40):
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 40):
             x = torch.randn(m, k, generator=g) * float(torch.rand(1, generator=g) * 10)
             at = int(torch.randint(0, m, (1,), generator=g))
             x[at] = row[0]
@@ -175,7 +175,10 @@ def test_implementations_agree(fmt: str) -> None:
     make, mm, _ = FORMATS[fmt]
     impls = qgemm.impls()
     assert impls[0] == "scalar"
-    for n, k, m in [(37, 64, 1), (50, 576, 5), (19, 1536, 9), (8, 96, 17)]:
+    # the last five: products of >= 16 rows run the register-blocked kernel (panels of 16 weight rows,
+    # tiles of 6 rows): its edges (15/16/17 rows, weight rows not a multiple of 16, one panel short)
+    for n, k, m in [(37, 64, 1), (50, 576, 5), (19, 1536, 9), (8, 96, 17), (33, 576, 15), (33, 576, 16),
+                    (17, 1536, 23), (5, 64, 64), (70, 96, 130)]:
         blocks = make(n, k, seed=n)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         outs = [mm(x, blocks, impl=impl) for impl in impls]

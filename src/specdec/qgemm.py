@@ -12,6 +12,9 @@ the products accumulated in float32. Each weight block is unpacked once per tile
 rows and applied to all of them, so a product of M rows costs far less than M one-row products; what is
 left is the float32 multiply-adds themselves (2 a block and row), which bound the cost of M > 1 rows on
 a CPU whose vector units do one 512-bit FMA a cycle (AMD Zen 4: M = 5 costs ~2.5x one row in cache).
+With AVX2, products of 16 rows or more (a prompt's chunks, large batches) run a register-blocked kernel
+(16 weight rows de-quantized into a transposed panel, tiles of 6 activation rows, 12 accumulators) that
+computes the same partial sums in the same order: 1.6x faster prompt reading on a 2-core AMD EPYC.
 
 Row invariance: every output element is computed by one fixed sequence of float operations (see the
 C++ source), so row r of a product is bit-for-bit the same whatever the number of rows, the other rows,

@@ -195,11 +195,23 @@ inline void dequant_block_avx2(const uint8_t* blk, __m256 w[4]) {
 // Where a tile's weights come from: a weight row's blocks, de-quantized as the tile reads them (`FromBlocks`), or a
 // panel the row was de-quantized into beforehand (`FromPanel`: the same values). Either gives, for block b, its
 // half h (positions 16h..16h+15) as two vectors, or all four vectors of 8.
+// FromBlocks prefetches PREFETCH bytes ahead of the block it reads (the weight rows a thread reads are contiguous):
+// a one-row product streams its weights from memory, and the hardware prefetcher alone kept a core at ~4-6 GB/s.
+constexpr int64_t PREFETCH = 2048;
+
 template <Fmt F>
 struct FromBlocks {
   const uint8_t* row;
-  void half(int64_t b, int h, __m256& w0, __m256& w1) const { dequant_avx2<F>(row + b * block_bytes<F>(), h, w0, w1); }
-  void block(int64_t b, __m256 w[4]) const { dequant_block_avx2<F>(row + b * block_bytes<F>(), w); }
+  void half(int64_t b, int h, __m256& w0, __m256& w1) const {
+    const uint8_t* blk = row + b * block_bytes<F>();
+    if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+    dequant_avx2<F>(blk, h, w0, w1);
+  }
+  void block(int64_t b, __m256 w[4]) const {
+    const uint8_t* blk = row + b * block_bytes<F>();
+    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+    dequant_block_avx2<F>(blk, w);
+  }
 };
 
 struct FromPanel {

@@ -299,7 +299,8 @@ class SpeculativeDecoder:
     def costs_key(self) -> dict[str, Any]:
         """What the step costs depend on: the models, prophets, K, precision, device and machine.
         The version changes when a step itself does (6: the blocks kernel's panels and the C++
-        loop's attention on raw buffers; 7: eagle's head on the target's blocks), so that costs
+        loop's attention on raw buffers; 7: eagle's head on the target's blocks; 8: the blocks kernel's
+        prefetch and register-blocked products of many rows), so that costs
         stored before are measured again."""
         import platform
 
@@ -308,7 +309,7 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        return {"version": 7, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 8, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "device": str(self.target.device),

@@ -129,6 +129,8 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     float32 rounding, and it drafts (greedy output equal to plain decoding is tested above)."""
     import torch
 
+    from specdec import qgemm
+    from specdec.bench.roofline import prophet_step_bytes, weight_bytes
     from specdec.int4 import Int4Weight
 
     decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), policy="fixed", draft_tokens=4)
@@ -138,9 +140,13 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
         assert prophet.block_head is None  # a float head, or PyTorch's int4 kernel: the float rows
         return
     assert prophet.block_head is not None and prophet.block_head.blocks.data.shape[0] == len(prophet.vocab_ids)
-    assert prophet.block_head.nbytes * 3 < prophet.sub_head.numel() * 4
-    h = torch.randn(3, prophet.sub_head.shape[1], generator=torch.Generator().manual_seed(0))
-    want = h @ prophet.sub_head.T
+    assert prophet.sub_head is None and prophet.head_weight is prophet.block_head  # the float rows are not kept
+    dequantize = qgemm.dequantize_q8_0 if head.blocks.kind == "Q8_0" else qgemm.dequantize_q4_1
+    rows = dequantize(head.blocks.data[prophet.vocab_ids])  # the same rows in float32
+    assert prophet.block_head.nbytes * 3 < rows.numel() * 4
+    assert prophet_step_bytes(prophet) < weight_bytes(prophet.head) + rows.numel() * 4
+    h = torch.randn(3, rows.shape[1], generator=torch.Generator().manual_seed(0))
+    want = h @ rows.T
     got = prophet.draft_logits(h)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))

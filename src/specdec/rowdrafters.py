@@ -242,7 +242,7 @@ class FeatureBatchDrafter:
         keep = _keep_drafting(reqs)
         who = f"drafter '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
-        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.sub_head.device) if sampled else None
+        probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.embed.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
         for j in range(1, max(k_rows) + 1):

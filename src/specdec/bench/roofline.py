@@ -76,8 +76,9 @@ def prophet_step_bytes(prophet: Any) -> int | None:
         # step feeds its own output back: the fusing product runs on true slots only)
         return weight_bytes({k: w for k, w in runtime.w.items() if k != "fuse"}) + \
             runtime.embed.shape[1] * runtime.embed.element_size()
-    head, sub = getattr(prophet, "head", None), getattr(prophet, "sub_head", None)
-    if isinstance(head, torch.nn.Module) and sub is not None:  # a feature prophet (eagle, medusa)
+    head, sub = getattr(prophet, "head", None), getattr(prophet, "head_weight", None)
+    if isinstance(head, torch.nn.Module) and sub is not None:  # a feature prophet (eagle, medusa): its
+        # layers, the head rows it multiplies (float rows, or the target's blocks) and one embedding row
         return weight_bytes(head) + weight_bytes(sub) + prophet.embed.shape[1] * prophet.embed.element_size()
     lm = getattr(prophet, "lm", None)
     if lm is not None:  # a draft model

@@ -152,14 +152,16 @@ class FeatureDrafter:
                  block_head: Any = None) -> None:
         """block_head: the target's head rows of the draft vocabulary on a 4-bit block kernel
         (`Int4Weight.block_rows`), multiplied instead of the float rows where given (float32):
-        a draft step reads 5 MB of SmolLM2's Q8_0 head rows instead of 19 MB of float32."""
+        a draft step reads 5 MB of SmolLM2's Q8_0 head rows instead of 19 MB of float32, and
+        the float rows are not kept."""
         self.head = head.to(device=embed.device, dtype=dtype).eval()  # on the target's device
         self.name = name
         self.vocab_size: int | None = vocab_size
         self.embed = embed  # (V, D) the target's, shared
         self.vocab_ids = vocab_ids.to(embed.device)  # (N,) the draft vocabulary
-        self.sub_head = lm_head[vocab_ids].to(dtype).contiguous()  # (N, D)
         self.block_head = block_head if dtype == torch.float32 else None
+        # (N, D) the head's rows of the draft vocabulary, in float, unless the block rows are multiplied
+        self.sub_head = None if self.block_head is not None else lm_head[vocab_ids].to(dtype).contiguous()
         self.dtype = dtype
         self._feature: torch.Tensor | None = None
         self._position = -1
@@ -194,7 +196,13 @@ class FeatureDrafter:
         """Logits over the draft vocabulary (..., N) from guessed features (..., D)."""
         if self.block_head is not None:
             return self.block_head.mm(guess.float())  # type: ignore[no-any-return]
+        assert self.sub_head is not None
         return (guess.to(self.dtype) @ self.sub_head.T).float()
+
+    @property
+    def head_weight(self) -> Any:
+        """What a draft step's head multiplies: the block rows (an Int4Weight) or the float rows."""
+        return self.block_head if self.block_head is not None else self.sub_head
 
     def full_probs(self, q: torch.Tensor) -> torch.Tensor:
         """Probabilities over the draft vocabulary (..., N) placed in the full vocabulary (..., V),

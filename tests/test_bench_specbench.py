@@ -137,3 +137,23 @@ def test_specbench_report_has_the_roofline(specbench_run):
     assert parts["target"]["megabytes"] > 0 and parts["target"]["measured_ms"] > 0
     assert report["roofline"]["bandwidth_gb_s"] > 0
     assert "Roofline: this machine streams" in (out / "bench.md").read_text()
+
+
+def test_decoding_speedup_leaves_out_the_prompt_reading():
+    """Sampled runs end at different lengths: the decoding speedup compares tokens after the first
+    over the seconds after the first token, so a short answer's prompt reading does not count
+    against it, while Spec-Bench's throughput ratio is kept as it is."""
+    from specdec.bench.report import by_task, specbench_markdown
+    from specdec.bench.runner import Config, Run
+
+    configs = [Config("plain", "ours"), Config("spec", "ours", "ngram")]
+    # plain: 1 s to its first token, then 100 tokens at 0.01 s; spec: the same prompt reading, then
+    # 20 tokens twice as fast, ending early
+    runs = [Run("plain", 0, "qa", list(range(101)), 2.0, {"target_calls": 101, "first_token_s": 1.0}),
+            Run("spec", 0, "qa", list(range(21)), 1.1, {"target_calls": 11, "first_token_s": 1.0})]
+    rows = {r["task"]: r for r in by_task(runs, configs, "plain", False, ["qa"], ["qa:1"])}
+    assert rows["qa"]["speedup"] == pytest.approx((21 / 1.1) / (101 / 2.0))  # < 1: most of its time read the prompt
+    assert rows["qa"]["decode_speedup"] == pytest.approx((20 / 0.1) / (100 / 1.0))  # 2.0
+    assert "decoding speedup" in specbench_markdown(list(rows.values()), "### sampling")
+    peerless = [Run("plain", 0, "qa", [1, 2], 1.0, {}), Run("spec", 0, "qa", [1, 2], 1.0, {"first_token_s": 0.5})]
+    assert by_task(peerless, configs, "plain", False, ["qa"], ["qa:1"])[0]["decode_speedup"] is None

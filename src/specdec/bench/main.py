@@ -357,7 +357,8 @@ def _specbench_result(mode: str, settings: dict[str, Any], configs: list[Config]
             + by_task(runs, others, "plain", False, tasks, sources),
             "rows": rows, **extra,
             "runs": [{"config": r.config, "question": sources[r.prompt], "task": r.category, "tokens": len(r.tokens),
-                      "wall_s": r.wall_s, "target_calls": r.stats.get("target_calls"),
+                      "wall_s": r.wall_s, "first_token_s": r.stats.get("first_token_s"),
+                      "target_calls": r.stats.get("target_calls"),
                       "drafted": r.stats.get("drafted"), "accepted": r.stats.get("accepted")} for r in runs]}
 
 
@@ -441,12 +442,13 @@ def run_specbench(args: Any) -> dict[str, Any]:
         if "peers" in res:
             md.append(peers_markdown(res["peers"], plain.weights_detail))
         table = Table(title=f"specdec bench --suite spec-bench ({res['mode']})")
-        for key in ["config", "task", "n", "speedup", "min-max", "tok/pass", "accept", "same"]:
+        for key in ["config", "task", "n", "speedup", "min-max", "decoding", "tok/pass", "accept", "same"]:
             table.add_column(key)
         for r in res["tasks"]:
             same = "-" if r["identical"] is None else f"{r['identical']}/{r['questions']}"
             table.add_row(r["config"], r["task"], str(r["questions"]), _f(r["speedup"]),
-                          f"{_f(r['speedup_min'])}-{_f(r['speedup_max'])}", _f(r["tokens_per_pass"]),
+                          f"{_f(r['speedup_min'])}-{_f(r['speedup_max'])}", _f(r.get("decode_speedup")),
+                          _f(r["tokens_per_pass"]),
                           _f(r["acceptance_rate"], ".3f"), same if not r["mismatches"] else f"[bold red]{same}[/]")
         console.print(table)
         for r in res["tasks"]:

@@ -153,12 +153,26 @@ SPEC_BENCH_LEADERBOARD = [("EAGLE-3 (Vicuna-13B)", 5.71), ("EAGLE-2", 4.35), ("E
                           ("prompt lookup (PLD)", 1.73), ("Lookahead", 1.64)]
 
 
+def _decode_rate(runs: list[Run]) -> float | None:
+    """Tokens after the first over the seconds after the first token (prompt reading and the first
+    round left out), summed over runs; None where a run has no first-token time (a peer)."""
+    firsts = [r.stats.get("first_token_s") for r in runs]
+    if not runs or any(f is None for f in firsts):
+        return None
+    tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
+    seconds = sum(r.wall_s - f for r, f in zip(runs, firsts, strict=True))
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
 def by_task(runs: list[Run], configs: list[Config], baseline: str, greedy: bool, tasks: list[str],
             sources: list[str]) -> list[dict[str, Any]]:
     """Spec-Bench's figures of every configuration but the baseline, per task and "overall":
     speedup = its throughput over the baseline's (summed new tokens / summed seconds, as
     Spec-Bench computes it; in greedy mode, where the outputs are identical, the ratio of
-    summed times), the min-max of the per-question ratios, tokens per target pass (new tokens
+    summed times), the min-max of the per-question ratios, the decoding speedup (the same ratio
+    of throughputs counted after each run's first token: sampled runs end at different lengths,
+    and a short answer spends more of its time reading the prompt, which speculation does not
+    touch), tokens per target pass (new tokens
     / target forward calls; 1.00 for plain decoding), acceptance (accepted / drafted) and, in
     greedy mode, how many questions gave the baseline's tokens exactly. A greedy mismatch
     withholds the speedup of its task and of "overall" and names the question."""
@@ -181,12 +195,14 @@ def by_task(runs: list[Run], configs: list[Config], baseline: str, greedy: bool,
             accepted = sum(r.stats.get("accepted", 0) for r in mine)
             ok = not mismatches
             speedup = (tokens / wall) / (base_tokens / base_wall) if wall and base_wall and base_tokens else None
+            decode, base_decode = _decode_rate(mine), _decode_rate(base)
             rows.append({"config": cfg.name, "draft": display_name(cfg.draft), "task": task, "questions": len(mine),
                          "tokens": tokens, "wall_s": wall, "plain_tokens": base_tokens, "plain_wall_s": base_wall,
                          "speedup": speedup if ok else None,
                          "speedup_min": min(ratios) if ratios and ok else None,
                          "speedup_max": max(ratios) if ratios and ok else None,
                          "tokens_per_pass": tokens / calls if calls else None,
+                         "decode_speedup": decode / base_decode if decode and base_decode and ok else None,
                          "acceptance_rate": accepted / drafted if drafted else None,
                          "identical": len(mine) - len(mismatches) if greedy else None,
                          "identical_to_plain": ok if greedy else None, "mismatches": mismatches})
@@ -195,6 +211,7 @@ def by_task(runs: list[Run], configs: list[Config], baseline: str, greedy: bool,
 
 SPEC_BENCH_COLUMNS = [("config", "config", "s"), ("task", "task", "s"), ("questions", "questions", "d"),
                       ("speedup", "speedup", ".2f"), ("spread", "per-question min-max", "s"),
+                      ("decode_speedup", "decoding speedup (after the first token)", ".2f"),
                       ("tokens_per_pass", "tokens per target pass", ".2f"), ("acceptance_rate", "accept", ".3f"),
                       ("same", "same tokens", "s")]
 

@@ -62,6 +62,8 @@ class Runner:
             wall = time.perf_counter() - t0
             stats = out.stats.to_dict()
             stats["accepted_per_round"] = [e.accepted for e in out.events]
+            # when the first token was out (the prompt read, one round): what follows it is decoding alone
+            stats["first_token_s"] = out.events[0].end if out.events else None
             return out.token_ids, wall, stats
         torch.manual_seed(seed)
         t0 = time.perf_counter()

@@ -160,7 +160,7 @@ def _decode_rate(runs: list[Run]) -> float | None:
     if not runs or any(f is None for f in firsts):
         return None
     tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
-    seconds = sum(r.wall_s - f for r, f in zip(runs, firsts, strict=True))
+    seconds = sum(r.wall_s - float(f or 0.0) for r, f in zip(runs, firsts, strict=True))
     return tokens / seconds if tokens and seconds > 0 else None
 
 

@@ -60,6 +60,9 @@ def test_specbench_reports_every_task_and_overall(specbench_run):
     assert all(r["identical"] is None for r in sampling["tasks"])
     assert {r["config"] for r in greedy["runs"]} == {"plain", "plain (again)", spec}
     assert len(greedy["runs"]) == 3 * 3
+    for res in (greedy, sampling):  # every run of ours knows when its first token was out
+        assert all(0 < r["first_token_s"] <= r["wall_s"] for r in res["runs"]), res["runs"]
+        assert all(r["decode_speedup"] is None or r["decode_speedup"] > 0 for r in res["tasks"])
 
 
 def test_specbench_markdown_has_the_per_task_rows(specbench_run):

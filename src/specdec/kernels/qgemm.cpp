@@ -195,8 +195,9 @@ inline void dequant_block_avx2(const uint8_t* blk, __m256 w[4]) {
 // Where a tile's weights come from: a weight row's blocks, de-quantized as the tile reads them (`FromBlocks`), or a
 // panel the row was de-quantized into beforehand (`FromPanel`: the same values). Either gives, for block b, its
 // half h (positions 16h..16h+15) as two vectors, or all four vectors of 8.
-// FromBlocks prefetches PREFETCH bytes ahead of the block it reads (the weight rows a thread reads are contiguous):
-// a one-row product streams its weights from memory, and the hardware prefetcher alone kept a core at ~4-6 GB/s.
+// FromBlocks prefetches PREFETCH bytes ahead of the block it reads (the weight rows a thread reads are contiguous;
+// a prefetch past the end of the weights is a hint that never faults). Measured on a 2-core AMD EPYC (Zen 3, AVX2),
+// SmolLM2's products of one row streamed from memory at 2 threads: 0.86-0.99x the time (256-8192 bytes tried).
 constexpr int64_t PREFETCH = 2048;
 
 template <Fmt F>

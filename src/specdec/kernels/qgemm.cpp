@@ -72,14 +72,19 @@ inline void pack_tile(const float* x, int64_t K, int64_t r0, int mt, float* xp) 
 
 // ------------------------------------------------------------------------------------------------ scalar
 
+// The tree that reduces an output's 32 partial sums (see Exactness), for scalars or for vectors of outputs:
+// partial(l) gives S[l], add adds two values.
+template <class Value, class Partial, class Add>
+inline Value reduce_tree(Partial partial, Add add) {
+  Value T[16], U[8], V[4];
+  for (int l = 0; l < 16; ++l) T[l] = add(partial(l), partial(l + 16));
+  for (int l = 0; l < 8; ++l) U[l] = add(T[l], T[l + 8]);
+  for (int l = 0; l < 4; ++l) V[l] = add(U[l], U[l + 4]);
+  return add(add(V[0], V[2]), add(V[1], V[3]));
+}
+
 inline float reduce32(const float* S) {
-  float T[16], U[8], V[4];
-  for (int l = 0; l < 16; ++l) T[l] = S[l] + S[l + 16];
-  for (int l = 0; l < 8; ++l) U[l] = T[l] + T[l + 8];
-  for (int l = 0; l < 4; ++l) V[l] = U[l] + U[l + 4];
-  const float w0 = V[0] + V[2];
-  const float w1 = V[1] + V[3];
-  return w0 + w1;
+  return reduce_tree<float>([S](int l) { return S[l]; }, [](float a, float b) { return a + b; });
 }
 
 template <Fmt F>
@@ -308,9 +313,10 @@ void dequant_row_avx2(const Args& a, int64_t n, float* panel) {
 
 // Products of more than one tile of rows de-quantize PANEL_ROWS weight rows at a time into a panel (in L1) and run
 // every tile against it: each weight row is de-quantized once for the product instead of once a tile, with the
-// same multiply-adds in the same order (the same bits). Products of 16-128 rows take 0.6-0.8x the time on a 2-core
-// AMD EPYC with AVX2 only (SmolLM2's products, 1 thread, in cache); for a tile or two (up to 5 or 10 rows) the
-// weights are de-quantized as each tile reads them, which measured as fast or faster there.
+// same multiply-adds in the same order (the same bits). On a 2-core AMD EPYC with AVX2 only (SmolLM2's products, 1
+// thread, in cache) they took 0.6-0.8x the time at 16-128 rows, which now run the register-blocked kernel below
+// (BLOCKED_MIN_ROWS), so panels serve 6-15 rows (Q8_0: 11-15); for a tile or two (up to 5 or 10 rows) the weights
+// are de-quantized as each tile reads them, which measured as fast or faster there.
 constexpr int64_t PANEL_ROWS = 8;
 
 // Products of many rows (a prompt's chunk, a large batch) run a register-blocked kernel instead: each output
@@ -392,13 +398,10 @@ void tile_t(const float* xt, const float* wt, int64_t KB, float* out, int64_t N,
     }
   }
   for (int r = 0; r < MT; ++r) {
-    for (int h = 0; h < 2; ++h) {
-      __m256 T[16], U[8], V[4];
-      for (int l = 0; l < 16; ++l) T[l] = _mm256_add_ps(_mm256_load_ps(S[l][r] + 8 * h), _mm256_load_ps(S[l + 16][r] + 8 * h));
-      for (int l = 0; l < 8; ++l) U[l] = _mm256_add_ps(T[l], T[l + 8]);
-      for (int l = 0; l < 4; ++l) V[l] = _mm256_add_ps(U[l], U[l + 4]);
+    for (int h = 0; h < 2; ++h) {  // weight rows 8h..8h+7 of the panel, one per lane
       alignas(32) float y[8];
-      _mm256_store_ps(y, _mm256_add_ps(_mm256_add_ps(V[0], V[2]), _mm256_add_ps(V[1], V[3])));
+      _mm256_store_ps(y, reduce_tree<__m256>([&](int l) { return _mm256_load_ps(S[l][r] + 8 * h); },
+                                             [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }));
       for (int c = 0; c < 8 && 8 * h + c < nc; ++c) out[(r0 + r) * N + n0 + 8 * h + c] = y[c];
     }
   }
@@ -578,12 +581,10 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   if (impl == AVX512) single = AVX512_SINGLE, tile = AVX512_TILE;
 #endif
 #ifdef QGEMM_AVX2
+  if (impl == AVX2 && M >= BLOCKED_MIN_ROWS) return run_blocked<F>(x, M, a);
   // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see PANEL_ROWS.
   const bool panels = impl == AVX2 && M > (F == Q4_1 ? 1 : 2) * AVX2_TILE;
   if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
-#endif
-#ifdef QGEMM_AVX2
-  if (impl == AVX2 && M >= BLOCKED_MIN_ROWS) return run_blocked<F>(x, M, a);
 #endif
   const auto tiles = row_tiles(M, single, tile);
   std::vector<float> xp(static_cast<size_t>(M * a.K));

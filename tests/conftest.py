@@ -15,8 +15,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
-    """A tokenizer, a small random Llama target and two drafters, saved to disk and
-    loadable with from_pretrained: a close drafter (the target plus noise) and a far one."""
+    """A tokenizer, a small random Llama target and two prophets, saved to disk and
+    loadable with from_pretrained: a close prophet (the target plus noise) and a far one."""
     from tests.tiny import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("tiny"))
@@ -26,7 +26,7 @@ def tiny_pair(tmp_path_factory):
 def tiny_eagle(tiny_pair, tmp_path_factory):
     """A random (imperfect) eagle head for the tiny target, saved like a shipped prophet."""
     from specdec import load
-    from specdec.drafters.feature import FeatureHead, save_head
+    from specdec.prophets.feature import FeatureHead, save_head
 
     dim = load(tiny_pair["target"], draft="none").target.head().shape[1]
     torch.manual_seed(5)

@@ -18,7 +18,7 @@ from specdec.fastllama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
 from specdec.request import Request
-from specdec.rowdrafters import FeatureBatchDrafter, FirstBatchDrafter, ModelBatchDrafter, NgramBatchDrafter
+from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, ModelBatchProphet, NgramBatchProphet
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
@@ -339,17 +339,17 @@ ROWS = [  # (K, settings), all in every batch
 ]
 
 
-def toy_engine(drafter: str) -> tuple[BatchEngine, MarkovLM]:
-    """drafter: model, ngram, eagle, medusa (feature prophets with a reduced vocabulary) or
+def toy_engine(prophet: str) -> tuple[BatchEngine, MarkovLM]:
+    """prophet: model, ngram, eagle, medusa (feature prophets with a reduced vocabulary) or
     ngram+eagle (multi="first": lookup where it matches, eagle elsewhere)."""
     from tests.test_feature import toy_prophet
 
     target, good = markov_models()
-    parts = {"model": lambda: ModelBatchDrafter(MarkovBatch(good, SLOTS)), "ngram": lambda: NgramBatchDrafter(2),
-             "eagle": lambda: FeatureBatchDrafter(toy_prophet(target, "eagle", (0, 1, 3))),
-             "medusa": lambda: FeatureBatchDrafter(toy_prophet(target, "medusa", (0, 2, 3, 4)))}
-    names = drafter.split("+")
-    d = parts[names[0]]() if len(names) == 1 else FirstBatchDrafter([parts[n]() for n in names])
+    parts = {"model": lambda: ModelBatchProphet(MarkovBatch(good, SLOTS)), "ngram": lambda: NgramBatchProphet(2),
+             "eagle": lambda: FeatureBatchProphet(toy_prophet(target, "eagle", (0, 1, 3))),
+             "medusa": lambda: FeatureBatchProphet(toy_prophet(target, "medusa", (0, 2, 3, 4)))}
+    names = prophet.split("+")
+    d = parts[names[0]]() if len(names) == 1 else FirstBatchProphet([parts[n]() for n in names])
     return BatchEngine(MarkovBatch(target, SLOTS), d), target
 
 
@@ -357,9 +357,9 @@ def row_params(settings) -> SamplingParams:
     return SamplingParams(settings["temperature"], settings.get("top_k"), settings.get("top_p", 1.0))
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "eagle", "medusa", "ngram+eagle"])
-def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
-    engine, target = toy_engine(drafter)
+@pytest.mark.parametrize("prophet", ["model", "ngram", "eagle", "medusa", "ngram+eagle"])
+def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(prophet):
+    engine, target = toy_engine(prophet)
     requests = [Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N) for k, s in ROWS]
     engine.generate(requests)
     for j, (k, s) in enumerate(ROWS):
@@ -368,11 +368,11 @@ def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(drafter):
         assert result.passed, (k, s, result)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram+eagle"])
-def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(drafter):
+@pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
+def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(prophet):
     """Long prompts go in 2 tokens a step while short rows beside them sample (the chunked
     prefill of a server): each row still follows the target's exact distribution."""
-    engine, target = toy_engine(drafter)
+    engine, target = toy_engine(prophet)
     engine.set_prefill_chunk(2)
     long_prompt = [3, 1, 4, 1, 0, 2, 3]
     settings = {"temperature": 1.0}
@@ -385,10 +385,10 @@ def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(drafter):
         assert result.passed, (prompt, result)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "ngram+eagle"])
-def test_rows_with_their_own_auto_policy_match_the_exact_distribution(drafter):
+@pytest.mark.parametrize("prophet", ["model", "ngram", "ngram+eagle"])
+def test_rows_with_their_own_auto_policy_match_the_exact_distribution(prophet):
     """Each row owns an AutoPolicy (K from its own acceptance, pauses when no K pays)."""
-    engine, target = toy_engine(drafter)
+    engine, target = toy_engine(prophet)
     engine.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05))  # K=1 at low acceptance, K=4 at high
     settings = dict(temperature=0.9, top_p=0.95)
     requests = [Request(PROMPT, LENGTH, row_params(settings), 4, seed=i, policy=AutoPolicy(4, min_rounds=1))
@@ -397,7 +397,7 @@ def test_rows_with_their_own_auto_policy_match_the_exact_distribution(drafter):
     counts = Counter(tuple(r.generated) for r in requests)
     result = goodness_of_fit(counts, sequence_distribution(target, PROMPT, LENGTH, row_params(settings)), ALPHA)
     assert result.passed, result
-    if drafter == "model":
+    if prophet == "model":
         assert len({k for r in requests for k in r.policy.ks}) > 1  # K really varied with each row's acceptance
 
 
@@ -551,11 +551,11 @@ def test_every_policy_per_row_is_greedy_equal(tiny_pair, plain_tiny, policy):
         assert (r.generated, r.finish_reason) == (want.token_ids, want.finish_reason)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "ngram+eagle"])
-def test_greedy_and_sampled_rows_side_by_side_are_each_exact(drafter):
+@pytest.mark.parametrize("prophet", ["eagle", "ngram+eagle"])
+def test_greedy_and_sampled_rows_side_by_side_are_each_exact(prophet):
     """Greedy rows draft argmax tokens whose q is one-hot (no full distribution is built for
     them); sampled rows in the same steps keep their q. Each kind stays exact."""
-    engine, target = toy_engine(drafter)
+    engine, target = toy_engine(prophet)
     hot = SamplingParams(1.0)
     requests = [Request(PROMPT, LENGTH, SamplingParams(0.0) if i % 2 else hot, 3, seed=i) for i in range(2 * N)]
     engine.generate(requests)
@@ -601,7 +601,7 @@ def alone_and_together(decoder, prompts, **settings):
     alone = [decoder.generate(p, **settings) for p in prompts]
     together = decoder.generate_many(prompts, max_batch=len(prompts), **settings)
     for a, t in zip(alone, together, strict=True):
-        assert [(e.drafter, e.drafted) for e in t.events] == [(e.drafter, e.drafted) for e in a.events]
+        assert [(e.prophet, e.drafted) for e in t.events] == [(e.prophet, e.drafted) for e in a.events]
         assert t.token_ids == a.token_ids
     return alone, together
 
@@ -636,7 +636,7 @@ def test_multi_best_chooses_per_row_as_for_a_request_alone(tiny_pair, tiny_eagle
                    draft_dtype=torch.float32)
     batched, _ = alone_and_together(decoder, REPEATING_PROMPTS, max_new_tokens=40, temperature=temperature,
                                     seed=5)
-    assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
+    assert len({e.prophet for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
 
 
 @pytest.mark.parametrize("prophet", ["layerskip:1", "kangaroo"])
@@ -645,7 +645,7 @@ def test_early_exit_drafts_for_rows_as_for_a_request_alone(tiny_pair, prophet, t
     """layerskip and kangaroo on the one loop: the target's first layers draft in each row's
     own slot (entries past its committed tokens, overwritten by verification); round for
     round a row drafts as its request alone, the same tokens, greedy equal to plain."""
-    from specdec.drafters.feature import FeatureHead, save_head
+    from specdec.prophets.feature import FeatureHead, save_head
 
     spec = prophet
     if prophet == "kangaroo":
@@ -715,7 +715,7 @@ def test_a_draft_model_beside_prompt_lookup_drafts_for_rows_as_for_a_request_alo
                    draft_tokens=3, draft_dtype=torch.float32)
     batched, _ = alone_and_together(decoder, REPEATING_PROMPTS, max_new_tokens=30, temperature=temperature,
                                     seed=4)
-    assert len({e.drafter for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
+    assert len({e.prophet for b in batched for e in b.events if e.drafted}) == 2  # both prophets drafted somewhere
 
 
 @pytest.mark.parametrize("recent", [0.2, 0.95])
@@ -728,7 +728,7 @@ def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, r
 
     engine = batch_engine(tiny_pair["target"], f"ngram+{tiny_pair['close']}", slots=4,
                           draft_dtype=torch.float32, multi="first")  # lookup first: drafts are cut after
-    model = engine.drafter.parts[1]
+    model = engine.prophet.parts[1]
     asked: list[list[int]] = []
     propose = model.propose
     model.propose = lambda reqs, ks: (asked.append(list(ks)), propose(reqs, ks))[1]
@@ -747,15 +747,15 @@ def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, r
         assert asked[0][:2] == [3, 3] and all(d > 0 for d in drafted)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram+eagle"])
-def test_measuring_costs_on_running_rows_changes_nothing_they_do(drafter):
+@pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
+def test_measuring_costs_on_running_rows_changes_nothing_they_do(prophet):
     """A bucket's costs are measured on the rows of its first step (each prophet's propose,
     the pass, probabilities and verification, greedy and at T=1): every row's settings,
     generator, feature and cache lengths come back as they were, so its tokens are those
     of the same request on an engine that never measured."""
     runs = []
     for measure in (False, True):
-        engine, _ = toy_engine(drafter)
+        engine, _ = toy_engine(prophet)
         reqs = [Request(PROMPT, 24, SamplingParams(0.8), 3, seed=s) for s in (1, 2)]
         for _ in range(2):
             engine.step(reqs)

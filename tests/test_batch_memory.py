@@ -28,12 +28,12 @@ def test_a_long_request_holds_only_its_own_slot_and_gives_it_back():
 def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     engine.generate([list(range(1, 200)), [1, 2, 3]], max_new_tokens=6, temperature=0)
-    assert engine.target.kv_bytes() == 0 and engine.drafter.lm.kv_bytes() == 0
+    assert engine.target.kv_bytes() == 0 and engine.prophet.lm.kv_bytes() == 0
     req = Request([1, 2, 3, 4], 50, SamplingParams(0.0), 2)
     engine.step([req])
     assert engine.target.kv_bytes() > 0
     engine.release(req)  # a cancelled request
-    assert engine.target.kv_bytes() == 0 and engine.drafter.lm.kv_bytes() == 0
+    assert engine.target.kv_bytes() == 0 and engine.prophet.lm.kv_bytes() == 0
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "close"])

@@ -19,18 +19,18 @@ def test_prompt_suite_is_deterministic_and_labelled():
 
 def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
     out = tmp_path / "b"
-    assert main(["bench", "--quick", "--target", tiny_pair["target"], "--drafter", tiny_pair["close"],
+    assert main(["bench", "--quick", "--target", tiny_pair["target"], "--prophet", tiny_pair["close"],
                  "--out", str(out), "--per-category", "1", "--max-new-tokens", "12"]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert {"machine", "results", "prompts", "command"} <= set(report)
     greedy = report["results"][0]
     rows = {r["config"]: r for r in greedy["rows"]}
-    assert {"plain", "plain (again)", "drafter K=4", "ngram", "hf plain", "hf assisted K=4",
+    assert {"plain", "plain (again)", "prophet K=4", "ngram", "hf plain", "hf assisted K=4",
             "hf prompt-lookup"} <= set(rows)
     for name, r in rows.items():
         assert r["identical_to_plain"], name  # greedy outputs identical, so every ratio is reported
         assert r["speedup"] and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
-    d = rows["drafter K=4"]
+    d = rows["prophet K=4"]
     assert 0 <= d["acceptance_rate"] <= 1 and d["predicted_speedup"] > 0 and d["acceptance_by_position"]
     assert greedy["costs"]["c"] > 0 and greedy["costs"]["v_4"] > 0
     assert (out / "bench.md").read_text().count("|") > 20

@@ -7,7 +7,7 @@ import pytest
 from specdec import load
 from specdec.check import certify
 from specdec.data.prompts import build_suite
-from specdec.defaults import bundled_drafter, bundled_target
+from specdec.defaults import bundled_prophet, bundled_target
 
 MODELS = Path(bundled_target()).parent
 
@@ -23,9 +23,9 @@ def test_weights_fit_the_budget_and_have_a_card():
     assert "PSF" in (MODELS / "README.md").read_text()
 
 
-def test_bundled_decoder_is_the_small_pair_with_its_drafter(bundled):
+def test_bundled_decoder_is_the_small_pair_with_its_prophet(bundled):
     assert bundled.target.name == "bundled"
-    assert [d.name for d in bundled.drafters] == [Path(bundled_drafter()).name]
+    assert [d.name for d in bundled.prophets] == [Path(bundled_prophet()).name]
 
 
 def test_the_default_target_is_the_real_chat_model():
@@ -33,14 +33,14 @@ def test_the_default_target_is_the_real_chat_model():
 
     from specdec.api import load as api_load
     from specdec.cli import build_parser
-    from specdec.defaults import default_drafter_for, default_target
+    from specdec.defaults import default_prophet_for, default_target
 
     assert default_target() == "smollm2"
     assert inspect.signature(api_load).parameters["target"].default is None  # None -> default_target()
     for command in (["generate", "hi"], ["serve"], ["check"], ["bench"]):
         args = build_parser().parse_args(command)
         assert args.target is None  # each command loads default_target() when none is named
-    assert default_drafter_for("bundled") == bundled_drafter()
+    assert default_prophet_for("bundled") == bundled_prophet()
 
 
 @pytest.mark.parametrize("k", [2, 5])

@@ -12,10 +12,10 @@ import torch
 from specdec import load
 from specdec.api import batch_engine
 from specdec.certify import goodness_of_fit
-from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import Policy
+from specdec.prophets.model import ModelProphet
+from specdec.prophets.ngram import NgramProphet
 from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling, coupled_choice, draw, keyed_exponentials
 from specdec.toy import MarkovLM
@@ -58,9 +58,9 @@ def test_a_coupled_draw_is_an_exact_sample():
 def test_coupled_speculation_fits_the_exact_distribution(which):
     """The whole loop on a toy target whose distribution is known exactly."""
     target = toy_target()
-    model = ModelDrafter(target.blend(MarkovLM.random(V, order=2, seed=32), 0.4, "model"))
-    drafters = {"model": [model], "ngram": [NgramDrafter(2)], "model+ngram tree": [model, NgramDrafter(2)]}[which]
-    decoder = SpeculativeDecoder(target, drafters, policy=Policy(3), multi="tree")
+    model = ModelProphet(target.blend(MarkovLM.random(V, order=2, seed=32), 0.4, "model"))
+    prophets = {"model": [model], "ngram": [NgramProphet(2)], "model+ngram tree": [model, NgramProphet(2)]}[which]
+    decoder = SpeculativeDecoder(target, prophets, policy=Policy(3), multi="tree")
     result = fit_against_exact(decoder, target, PROMPT, 3, 1500, temperature=0.9, sampling="coupled")
     assert result.passed, result
 
@@ -69,11 +69,11 @@ def test_coupled_speculation_fits_the_exact_distribution(which):
 def test_coupled_speculation_is_seeded_plain_sampling_token_for_token(which):
     target = toy_target()
     plain = SpeculativeDecoder(target, None)
-    far = ModelDrafter(MarkovLM.random(V, order=2, seed=33, name="far"))
-    close = ModelDrafter(target.blend(MarkovLM.random(V, order=2, seed=32), 0.2, "close"))
-    drafters = {"model": [close], "ngram": [NgramDrafter(2)], "model+ngram tree": [far, close, NgramDrafter(2)]}[which]
+    far = ModelProphet(MarkovLM.random(V, order=2, seed=33, name="far"))
+    close = ModelProphet(target.blend(MarkovLM.random(V, order=2, seed=32), 0.2, "close"))
+    prophets = {"model": [close], "ngram": [NgramProphet(2)], "model+ngram tree": [far, close, NgramProphet(2)]}[which]
     for k in (1, 4):
-        decoder = SpeculativeDecoder(target, drafters, policy=Policy(k), multi="tree")
+        decoder = SpeculativeDecoder(target, prophets, policy=Policy(k), multi="tree")
         for seed in range(12):
             settings = dict(max_new_tokens=20, temperature=1.0, seed=seed, sampling="coupled")
             assert decoder.generate(PROMPT, **settings).token_ids == plain.generate(PROMPT, **settings).token_ids
@@ -84,7 +84,7 @@ def test_coupled_drafts_are_the_targets_own_choice_when_q_is_p():
     picks: every drafted token is accepted (rejection sampling also accepts all when q = p;
     coupling keeps that while making the output independent of the prophet)."""
     target = toy_target()
-    decoder = SpeculativeDecoder(target, ModelDrafter(MarkovLM(target.table, "same")), policy=Policy(4))
+    decoder = SpeculativeDecoder(target, ModelProphet(MarkovLM(target.table, "same")), policy=Policy(4))
     g = decoder.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=3, sampling="coupled")
     assert all(e.accepted == len(e.drafted) for e in g.events)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specdec import load
-from specdec.drafters.model import ModelDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
+from specdec.prophets.model import ModelProphet
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
 
@@ -27,7 +27,7 @@ def test_exact_distribution_on_the_device(multi, policy):
     target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target").to(DEVICE)
     good = target.blend(MarkovLM.random(V, order=2, seed=12), 0.35, "good")
     bad = MarkovLM.random(V, order=2, seed=13, sharpness=2.5, name="bad").to(DEVICE)
-    decoder = SpeculativeDecoder(target, [ModelDrafter(good), ModelDrafter(bad)], policy=policy, multi=multi)
+    decoder = SpeculativeDecoder(target, [ModelProphet(good), ModelProphet(bad)], policy=policy, multi=multi)
     out = decoder.generate(PROMPT, max_new_tokens=LENGTH, temperature=1.0, seed=0)
     assert out.stats.drafted > 0
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.9, top_p=0.95)

@@ -7,7 +7,7 @@ import torch
 
 from specdec import load
 from specdec.api import batch_engine
-from specdec.drafters.eagle3 import Eagle3Net, Eagle3Runtime, is_eagle3, load_eagle3, save_eagle3
+from specdec.prophets.eagle3 import Eagle3Net, Eagle3Runtime, is_eagle3, load_eagle3, save_eagle3
 from specdec.request import Request
 from specdec.sampling import SamplingParams
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from specdec.drafters.model import ModelDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import Policy
+from specdec.prophets.model import ModelProphet
 from specdec.sampling import InvalidLogitsError
 from specdec.toy import MarkovLM
 
@@ -20,18 +20,18 @@ def test_nan_logits_from_the_target_are_a_clear_error():
         dec.generate([2], max_new_tokens=3)
 
 
-def test_nan_logits_from_the_drafter_are_a_clear_error():
+def test_nan_logits_from_the_prophet_are_a_clear_error():
     target = MarkovLM.random(4, seed=0)
     bad = torch.full((4, 4), math.nan)
-    dec = SpeculativeDecoder(target, ModelDrafter(MarkovLM(bad, "bad-draft")), policy=Policy(2))
-    with pytest.raises(InvalidLogitsError, match="drafter 'bad-draft' produced NaN"):
+    dec = SpeculativeDecoder(target, ModelProphet(MarkovLM(bad, "bad-draft")), policy=Policy(2))
+    with pytest.raises(InvalidLogitsError, match="prophet 'bad-draft' produced NaN"):
         dec.generate([1], max_new_tokens=3)
 
 
 def test_accounting_adds_up():
     target = MarkovLM.random(6, order=2, seed=3)
     draft = target.blend(MarkovLM.random(6, order=2, seed=4), 0.4, "d")
-    dec = SpeculativeDecoder(target, ModelDrafter(draft), policy=Policy(4))
+    dec = SpeculativeDecoder(target, ModelProphet(draft), policy=Policy(4))
     out = dec.generate([1, 2], max_new_tokens=200, temperature=1.0, seed=0)
     s = out.stats
     assert s.new_tokens == len(out.token_ids) == 200
@@ -57,14 +57,14 @@ def test_token_id_prompts_are_validated():
 
 
 def test_alpha_estimates_the_per_position_acceptance():
-    """With a drafter identical to the target at temperature 1, every tested position is
-    accepted (p = q), so alpha = 1; with a poor drafter alpha sits between 0 and 1 and
+    """With a prophet identical to the target at temperature 1, every tested position is
+    accepted (p = q), so alpha = 1; with a poor prophet alpha sits between 0 and 1 and
     above accepted / drafted (positions after a rejection are never tested)."""
     target = MarkovLM.random(6, order=2, seed=5)
-    same = SpeculativeDecoder(target, ModelDrafter(MarkovLM(target.table, "same")), policy=Policy(4))
+    same = SpeculativeDecoder(target, ModelProphet(MarkovLM(target.table, "same")), policy=Policy(4))
     s = same.generate([1, 2], max_new_tokens=100, temperature=1.0, seed=0).stats
     assert s.alpha == 1.0 and s.recovered == 0
-    poor = SpeculativeDecoder(MarkovLM(target.table), ModelDrafter(MarkovLM.random(6, order=2, seed=9)),
+    poor = SpeculativeDecoder(MarkovLM(target.table), ModelProphet(MarkovLM.random(6, order=2, seed=9)),
                               policy=Policy(4))
     s = poor.generate([1, 2], max_new_tokens=200, temperature=1.0, seed=0).stats
     assert 0 < s.alpha < 1 and s.alpha > s.acceptance_rate
@@ -77,10 +77,10 @@ def test_a_request_may_keep_to_some_of_the_loaded_prophets(tiny_pair, tiny_eagle
     prompt = "x = [1, 2, 1, 2, 1, 2, 1,"
     want = dec.plain().generate(prompt, max_new_tokens=16, temperature=0).token_ids
     only = dec.generate(prompt, max_new_tokens=16, temperature=0, prophets=["tiny-eagle"])
-    assert only.token_ids == want and {e.drafter for e in only.events} <= {"tiny-eagle", None}
+    assert only.token_ids == want and {e.prophet for e in only.events} <= {"tiny-eagle", None}
     both = dec.generate(prompt, max_new_tokens=16, temperature=0)
-    assert both.token_ids == want and "ngram" in {e.drafter for e in both.events}
-    assert all(e.drafter is None for e in dec.generate(prompt, max_new_tokens=8, prophets=[]).events)
+    assert both.token_ids == want and "ngram" in {e.prophet for e in both.events}
+    assert all(e.prophet is None for e in dec.generate(prompt, max_new_tokens=8, prophets=[]).events)
     with pytest.raises(ValueError, match="not loaded.*'ngram', 'tiny-eagle'"):
         dec.generate(prompt, max_new_tokens=4, prophets=["medusa"])
 

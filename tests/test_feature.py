@@ -5,22 +5,22 @@ import pytest
 import torch
 
 from specdec import load
-from specdec.drafters.feature import FeatureDrafter, FeatureHead, load_head, save_head
-from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
+from specdec.prophets.feature import FeatureHead, FeatureProphet, load_head, save_head
+from specdec.prophets.ngram import NgramProphet
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
 
 V, PROMPT, LENGTH, N = 5, [1, 2], 4, 4000
 
 
-def toy_prophet(target: MarkovLM, kind: str, vocab_ids=(0, 1, 3), seed: int = 0) -> FeatureDrafter:
+def toy_prophet(target: MarkovLM, kind: str, vocab_ids=(0, 1, 3), seed: int = 0) -> FeatureProphet:
     torch.manual_seed(seed)
     head = FeatureHead(kind, MarkovLM.FEATURE_DIM, rank=8, depth=2, n_heads=4)
     for p in head.parameters():  # not the identity it starts as: an arbitrary, imperfect prophet
         torch.nn.init.normal_(p, std=0.5)
-    return FeatureDrafter(head, target.embeddings(), target.head(), torch.tensor(vocab_ids), V, name=kind)
+    return FeatureProphet(head, target.embeddings(), target.head(), torch.tensor(vocab_ids), V, name=kind)
 
 
 @pytest.mark.parametrize("kind,k,settings", [
@@ -50,11 +50,11 @@ def test_prompt_lookup_first_then_a_feature_prophet_is_exact(policy):
     """multi="first": ngram drafts where the context repeats, the feature prophet elsewhere;
     the choice depends on the committed context only, so the loop stays exact."""
     target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
-    prophets = [NgramDrafter(n_max=2, n_min=1), toy_prophet(target, "eagle", (0, 1, 2, 3, 4))]
+    prophets = [NgramProphet(n_max=2, n_min=1), toy_prophet(target, "eagle", (0, 1, 2, 3, 4))]
     decoder = SpeculativeDecoder(target, prophets, policy=policy, multi="first")
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert result.passed, result
-    who = {e.drafter for seed in range(30) for e in decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=seed).events}
+    who = {e.prophet for seed in range(30) for e in decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=seed).events}
     assert {"ngram", "eagle"} <= who  # both really drafted
 
 
@@ -111,10 +111,10 @@ def toy_adapter(dim: int, layers: int = 1, seed: int = 0, identity: bool = False
 
 @pytest.mark.parametrize("k,settings", [(3, dict(temperature=1.0)), (2, dict(temperature=0.7, top_k=3))])
 def test_an_early_exit_adapter_with_a_reduced_vocabulary_is_exact(k, settings):
-    from specdec.drafters.layerskip import AdaptedExitDrafter
+    from specdec.prophets.layerskip import AdaptedExitProphet
 
     target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
-    prophet = AdaptedExitDrafter(target, toy_adapter(MarkovLM.FEATURE_DIM), torch.tensor([0, 1, 3]), "kangaroo")
+    prophet = AdaptedExitProphet(target, toy_adapter(MarkovLM.FEATURE_DIM), torch.tensor([0, 1, 3]), "kangaroo")
     decoder = SpeculativeDecoder(target, prophet, policy=Policy(k))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, **settings)
     assert result.passed, result
@@ -124,14 +124,14 @@ def test_an_early_exit_adapter_with_a_reduced_vocabulary_is_exact(k, settings):
 
 def test_an_identity_adapter_is_plain_early_exit(tiny_pair):
     """Zero-initialised, the adapter is the identity, and over the full vocabulary the
-    drafter's logits are the target's own early-exit logits (layerskip)."""
-    from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
+    prophet's logits are the target's own early-exit logits (layerskip)."""
+    from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
 
     dec = load(tiny_pair["target"], draft="layerskip:1")
     target = dec.target
     full = torch.arange(target.vocab_size)
-    adapted = AdaptedExitDrafter(target, toy_adapter(target.head().shape[1], identity=True), full, "kangaroo")
-    plain_exit = LayerSkipDrafter(target, 1)
+    adapted = AdaptedExitProphet(target, toy_adapter(target.head().shape[1], identity=True), full, "kangaroo")
+    plain_exit = LayerSkipProphet(target, 1)
     target.forward([1, 5, 9], 1)
     a = adapted._step([4])
     target.end_early_exit(3)

@@ -18,11 +18,11 @@ def plain(tiny_pair):
     return load(tiny_pair["target"], draft="none", backend="hf")
 
 
-@pytest.mark.parametrize("drafter", ["close", "far"])
+@pytest.mark.parametrize("prophet", ["close", "far"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize("backend", ["hf", "fast"])
-def test_greedy_equals_plain_decoding(tiny_pair, plain, drafter, k, backend):
-    spec = load(tiny_pair["target"], draft=tiny_pair[drafter], draft_tokens=k, backend=backend)
+def test_greedy_equals_plain_decoding(tiny_pair, plain, prophet, k, backend):
+    spec = load(tiny_pair["target"], draft=tiny_pair[prophet], draft_tokens=k, backend=backend)
     for prompt in PROMPTS:
         want = plain.generate(prompt, max_new_tokens=40, temperature=0)
         got = spec.generate(prompt, max_new_tokens=40, temperature=0)
@@ -44,7 +44,7 @@ def test_plain_greedy_equals_transformers_generate(tiny_pair, backend):
         assert ours.token_ids == hf[0, ids.shape[1] :].tolist()[: len(ours.token_ids)]
 
 
-def test_close_drafter_accepts_more_than_far(tiny_pair):
+def test_close_prophet_accepts_more_than_far(tiny_pair):
     rates = {}
     for name in ["close", "far"]:
         dec = load(tiny_pair["target"], draft=tiny_pair[name], draft_tokens=4)

@@ -193,14 +193,14 @@ def test_the_default_dtype_is_int4_for_a_gguf_target_and_float32_for_other_model
 # ----------------------------------------------------------------- (d) sampled
 def test_sampled_int4_speculation_fits_the_int4_targets_exact_distribution(tiny_pair):
     """Chi-square (alpha 0.001): two-token continuations sampled speculatively (K = 3, a close
-    drafter) against the exact distribution of the int4 target, computed from its one-token
+    prophet) against the exact distribution of the int4 target, computed from its one-token
     steps."""
     _assert_two_token_samples_fit(tiny_pair)
 
 
 def _assert_two_token_samples_fit(tiny_pair) -> None:
     """Chi-square of the int4 tiny pair's speculative two-token continuations (K 3, a close
-    drafter) against the exact distribution of its one-token steps."""
+    prophet) against the exact distribution of its one-token steps."""
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=3, dtype="int4")
     prompt = decoder.tokenizer("def add(a, b):\n    return")["input_ids"]
     lm = decoder.target.fresh()

@@ -1,4 +1,4 @@
-"""Layer 3 of the losslessness tests: the whole loop (drafter + verify + rollback + bonus
+"""Layer 3 of the losslessness tests: the whole loop (prophet + verify + rollback + bonus
 + stops) against toy models whose exact distribution over continuations is known.
 
 Each case samples continuations of 3 tokens and runs Pearson's chi-square test against
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import specdec.ragged as ragged_mod
-from specdec.drafters.model import ModelDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
+from specdec.prophets.model import ModelProphet
 from specdec.sampling import sample
 from specdec.toy import MarkovLM
 from specdec.verify import Verdict
@@ -30,7 +30,7 @@ def models():
 
 
 CASES = [
-    # (drafter, K, settings)
+    # (prophet, K, settings)
     ("good", 1, dict(temperature=1.0)),
     ("good", 3, dict(temperature=1.0)),
     ("bad", 3, dict(temperature=1.0)),
@@ -42,10 +42,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("drafter,k,settings", CASES)
-def test_speculative_sampling_matches_the_exact_distribution(drafter, k, settings):
+@pytest.mark.parametrize("prophet,k,settings", CASES)
+def test_speculative_sampling_matches_the_exact_distribution(prophet, k, settings):
     target, good, bad = models()
-    decoder = SpeculativeDecoder(target, ModelDrafter(good if drafter == "good" else bad), policy=Policy(k))
+    decoder = SpeculativeDecoder(target, ModelProphet(good if prophet == "good" else bad), policy=Policy(k))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, **settings)
     assert result.passed, result
 
@@ -54,22 +54,22 @@ def test_speculative_sampling_matches_the_exact_distribution(drafter, k, setting
                          ids=["adaptive", "confidence", "optimal"])
 def test_policies_are_lossless(policy):
     target, good, _ = models()
-    decoder = SpeculativeDecoder(target, ModelDrafter(good), policy=policy)
+    decoder = SpeculativeDecoder(target, ModelProphet(good), policy=policy)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert result.passed, result
 
 
 @pytest.mark.parametrize("multi", ["tree", "best", "first"])
-def test_several_drafters_are_lossless(multi):
+def test_several_prophets_are_lossless(multi):
     target, good, bad = models()
-    decoder = SpeculativeDecoder(target, [ModelDrafter(good), ModelDrafter(bad)], policy=Policy(3), multi=multi)
+    decoder = SpeculativeDecoder(target, [ModelProphet(good), ModelProphet(bad)], policy=Policy(3), multi=multi)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.9, top_k=4)
     assert result.passed, result
 
 
 class UnknownProphet:
     """A prophet the wiring has no batched class for (as one registered by a user): it
-    drafts on the one loop through `RowsDrafter`, a view of it per row."""
+    drafts on the one loop through `RowsProphet`, a view of it per row."""
 
     reads_features = False
 
@@ -94,15 +94,15 @@ class UnknownProphet:
 
 @pytest.mark.parametrize("multi", ["first", "tree"])
 def test_a_prophet_without_a_batched_class_is_lossless_on_the_one_loop(multi):
-    from specdec.rowdrafters import RowsDrafter
+    from specdec.rowprophets import RowsProphet
     from specdec.wiring import engine_for
 
     target, good, bad = models()
-    drafters = [UnknownProphet(ModelDrafter(good))] + ([ModelDrafter(bad)] if multi == "tree" else [])
-    decoder = SpeculativeDecoder(target, drafters, policy=Policy(3), multi=multi)
+    prophets = [UnknownProphet(ModelProphet(good))] + ([ModelProphet(bad)] if multi == "tree" else [])
+    decoder = SpeculativeDecoder(target, prophets, policy=Policy(3), multi=multi)
     engine = engine_for(decoder, 2)
-    parts = getattr(engine.drafter, "parts", [engine.drafter])
-    assert isinstance(parts[0], RowsDrafter)
+    parts = getattr(engine.prophet, "parts", [engine.prophet])
+    assert isinstance(parts[0], RowsProphet)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert result.passed, result
     assert decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=1).stats.drafted > 0
@@ -139,6 +139,6 @@ def resample_from_p_verifier(draft_tokens, draft_probs, target_probs, generator)
 def test_negative_control_biased_verifier_is_caught(monkeypatch, wrong):
     target, good, _ = models()
     monkeypatch.setattr(ragged_mod, "verify_chain", wrong)  # the one loop's verifier of a row alone
-    decoder = SpeculativeDecoder(target, ModelDrafter(good), policy=Policy(3))
+    decoder = SpeculativeDecoder(target, ModelProphet(good), policy=Policy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert not result.passed, result

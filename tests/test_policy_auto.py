@@ -224,7 +224,7 @@ def test_calibrate_times_the_one_loop_greedy_and_sampled_at_a_short_and_a_long_c
     costs = decoder.calibrate(n_context=16, repeats=2, long_context=64)
     assert costs.context == 16 and costs.long is not None and costs.long.context == 64
     assert costs.sampled is not None and costs.sampled.context == 16 and costs.sampled.long is costs.long.sampled
-    names = {d.name for d in decoder.drafters}
+    names = {d.name for d in decoder.prophets}
     for c in (costs, costs.long, costs.sampled, costs.long.sampled):
         assert set(c.t_draft_by) == names and set(c.t_call_by) == names
         assert min(c.t_draft_by.values()) >= 0 and min(c.t_call_by.values()) >= 0

@@ -54,7 +54,7 @@ def test_prophet_bytes_and_the_report_line(tiny_pair, tiny_eagle):
     import specdec
 
     dec = specdec.load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}")
-    ngram, eagle = dec.drafters
+    ngram, eagle = dec.prophets
     assert prophet_step_bytes(ngram) is None  # prompt lookup reads no weights
     assert prophet_step_bytes(eagle) == weight_bytes(eagle.head) + weight_bytes(eagle.head_weight) + \
         eagle.embed.shape[1] * eagle.embed.element_size()

@@ -178,9 +178,9 @@ def test_memory_is_flat_over_1000_requests(proc):
 
     # Warm up: every slot's caches, the kernels for the padded row counts (see row_bucket) and
     # the allocator. Measured here (RSS after each 1,000 requests): 465, 477, 482, 483, 486,
-    # 492, 492, 492 MiB. Before rows were padded, a bfloat16 drafter made oneDNN build a kernel
+    # 492, 492, 492 MiB. Before rows were padded, a bfloat16 prophet made oneDNN build a kernel
     # for every row count it met and RSS grew for 9,000 requests (443 -> 612 MiB); with a
-    # float32 drafter it was flat from the first 1,000 (424 -> 426 MiB).
+    # float32 prophet it was flat from the first 1,000 (424 -> 426 MiB).
     asyncio.run(run(2000))
     before = rss().rss
     asyncio.run(run(1000))

@@ -22,10 +22,10 @@ STREAMS = 14  # MAX_BATCH run; the others wait in the queue
 
 @pytest.fixture
 def proc(tmp_path):
-    target, drafter = ROOT / "models" / "target", ROOT / "models" / "drafter"
-    if not (target / "model.safetensors").exists() or not (drafter / "model.safetensors").exists():
+    target, prophet = ROOT / "models" / "target", ROOT / "models" / "prophet"
+    if not (target / "model.safetensors").exists() or not (prophet / "model.safetensors").exists():
         pytest.skip("the bundled models are not here")
-    args = ["--target", str(target), "--draft", str(drafter), "--policy", "fixed", "-k", "3",
+    args = ["--target", str(target), "--draft", str(prophet), "--policy", "fixed", "-k", "3",
             "--max-batch", str(MAX_BATCH), "--max-queue", "64", "--max-tokens-limit", "900",
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     server = ServerProcess(args, tmp_path / "server.log", timeout=60)

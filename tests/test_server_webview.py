@@ -19,7 +19,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 
 @pytest.fixture(scope="module")
 def url():
-    # the small pair: a code model whose drafter is accepted often; policy fixed, so that it
+    # the small pair: a code model whose prophet is accepted often; policy fixed, so that it
     # drafts every round whatever the startup timings say (auto K failed it once under load)
     decoder = load("bundled", policy="fixed")
     with serve_in_thread(create_app(decoder, "bundled")) as base:
@@ -69,7 +69,7 @@ def test_web_view_marks_every_round_like_the_api(url, tmp_path):
             browser.close()
 
     # The text is the API's for the same settings; the marks are those of the rounds the page
-    # received (a drafter's proposals may differ in rounding between runs; the text cannot).
+    # received (a prophet's proposals may differ in rounding between runs; the text cannot).
     assert shown_text == text
     marks = [ch["specdec"] for ch in seen if ch["choices"]]
     drafted = sum(len(m["drafted"]) for m in marks)
@@ -83,6 +83,6 @@ def test_web_view_marks_every_round_like_the_api(url, tmp_path):
     assert shown["stat-tpr"] == f"{sum(m['committed'] for m in marks) / len(marks):.2f}"
     drafting = [m for m in marks if m["drafted"]]
     assert titles == {f"drafted by {m['prophet']}" for m in drafting}  # every draft says whose it was
-    assert shown["stat-prophets"] == f"drafter: {len(drafting)} rounds, {100 * accepted / drafted:.0f}% accepted"
+    assert shown["stat-prophets"] == f"prophet: {len(drafting)} rounds, {100 * accepted / drafted:.0f}% accepted"
     assert plain_tokens > 0
     assert (tmp_path / "webview.png").stat().st_size > 10_000  # docs/: scripts/webview-screenshot

@@ -34,13 +34,13 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
 
 def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm2):
     decoder = load()  # the default target is smollm2, with its default prophets
-    assert [d.name for d in decoder.drafters] == ["ngram", "smollm2-eagle"]
+    assert [d.name for d in decoder.prophets] == ["ngram", "smollm2-eagle"]
     assert decoder.policy.name == "auto" and decoder.multi == "first" and decoder.policy.k0 == 8
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     want = smollm2.generate(messages=messages, max_new_tokens=24, temperature=0)
     got = decoder.generate(messages=messages, max_new_tokens=24, temperature=0)
     assert got.token_ids == want.token_ids
-    assert {e.drafter for e in got.events if e.drafted} == {"ngram", "smollm2-eagle"}  # both drafted
+    assert {e.prophet for e in got.events if e.drafted} == {"ngram", "smollm2-eagle"}  # both drafted
 
 
 def test_the_default_prophets_batch_on_the_real_target(smollm2):
@@ -50,7 +50,7 @@ def test_the_default_prophets_batch_on_the_real_target(smollm2):
 
     decoder = load()  # the default target is smollm2, with its default prophets
     engine = engine_for(decoder, 3)
-    assert engine is not None and engine.drafter.name == "ngram+smollm2-eagle"
+    assert engine is not None and engine.prophet.name == "ngram+smollm2-eagle"
     texts = [*PROMPTS, "Copy this sentence exactly: the cat sat on the mat, and the cat sat on the mat."]
     prompts = [decoder.chat_ids([{"role": "user", "content": p}]) for p in texts]
     outs = decoder.generate_many(prompts, max_batch=3, max_new_tokens=20, temperature=0.0)
@@ -134,7 +134,7 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     from specdec.int4 import Int4Weight
 
     decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), policy="fixed", draft_tokens=4)
-    prophet = decoder.drafters[0]
+    prophet = decoder.prophets[0]
     head = decoder.target.rows.lm_head
     if not (isinstance(head, Int4Weight) and head.blocks is not None):
         assert prophet.block_head is None  # a float head, or PyTorch's int4 kernel: the float rows

@@ -4,9 +4,9 @@ length ends inside its accepted run counts the tokens it kept, never those it th
 import pytest
 import torch
 
-from specdec.drafters.model import ModelDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import Policy
+from specdec.prophets.model import ModelProphet
 from specdec.stats import summarize
 from specdec.toy import MarkovLM
 
@@ -14,7 +14,7 @@ V = 12
 
 
 def chain() -> MarkovLM:
-    """Token i is always followed by i + 1 (mod V): a drafter equal to it is always accepted."""
+    """Token i is always followed by i + 1 (mod V): a prophet equal to it is always accepted."""
     table = torch.full((V, V), -30.0)
     for i in range(V):
         table[i, (i + 1) % V] = 30.0
@@ -35,7 +35,7 @@ class Letters:
 
 def decoder(eos=(), k=4) -> SpeculativeDecoder:
     target = chain()
-    return SpeculativeDecoder(target, ModelDrafter(chain()), Letters(), Policy(k), eos_token_ids=eos)
+    return SpeculativeDecoder(target, ModelProphet(chain()), Letters(), Policy(k), eos_token_ids=eos)
 
 
 def check_invariants(out) -> None:
@@ -65,7 +65,7 @@ def test_eos_inside_the_accepted_run():
     s = out.stats
     assert (s.accepted, s.bonus, s.cut, s.tokens_per_round) == (2, 0, 1, 3.0)
     assert s.acceptance_by_position == [1.0, 1.0]  # positions 3 and 4 never reached the output
-    assert s.per_drafter["chain"]["accepted"] == 2
+    assert s.per_prophet["chain"]["accepted"] == 2
     check_invariants(out)
 
 
@@ -95,7 +95,7 @@ def test_full_rounds_count_every_accepted_token_and_the_bonus():
 def test_sampled_rounds_with_rejections_keep_the_invariants():
     target = MarkovLM.random(8, order=2, seed=3)
     draft = target.blend(MarkovLM.random(8, order=2, seed=4), 0.5, "d")
-    dec = SpeculativeDecoder(target, ModelDrafter(draft), policy=Policy(4), eos_token_ids={5})
+    dec = SpeculativeDecoder(target, ModelProphet(draft), policy=Policy(4), eos_token_ids={5})
     for seed in range(20):
         out = dec.generate([1, 2], max_new_tokens=40, temperature=1.0, seed=seed)
         check_invariants(out)

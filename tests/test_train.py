@@ -35,7 +35,7 @@ hidden_size = 32
 intermediate_size = 64
 minutes = 1
 {LOOP.format(layers=2)}
-[drafter]
+[prophet]
 hidden_size = 16
 intermediate_size = 32
 data_minutes = 1
@@ -61,20 +61,20 @@ def test_train_and_distill_a_few_steps(tmp_path):
                  "shlex.py", "textwrap.py", "numbers.py"]:
         shutil.copy(stdlib_root() / name, corpus / name)
     (tmp_path / "cfg.toml").write_text(CONFIG)
-    work, target, drafter, data = (tmp_path / n for n in ["work", "target", "drafter", "data"])
+    work, target, prophet, data = (tmp_path / n for n in ["work", "target", "prophet", "data"])
     assert main(["train", "--config", str(tmp_path / "cfg.toml"), "--work-dir", str(work), "--out", str(target),
                  "--corpus-root", str(corpus), "--max-steps", "3"]) == 0
     meta = json.loads((target / "training.json").read_text())
     assert meta["steps"] == 3 and meta["heldout_loss"] > 0
     assert json.loads((work / "split.json").read_text())["heldout"]
     assert main(["distill", "--config", str(tmp_path / "cfg.toml"), "--work-dir", str(work), "--target", str(target),
-                 "--out", str(drafter), "--data-out", str(data), "--max-steps", "2"]) == 0
-    meta = json.loads((drafter / "training.json").read_text())
-    assert meta["kind"] == "drafter-distilled" and meta["distill_steps"] == 4
+                 "--out", str(prophet), "--data-out", str(data), "--max-steps", "2"]) == 0
+    meta = json.loads((prophet / "training.json").read_text())
+    assert meta["kind"] == "prophet-distilled" and meta["distill_steps"] == 4
     # the results load with from_pretrained and decode together
-    assert AutoModelForCausalLM.from_pretrained(str(drafter)).config.hidden_size == 16
+    assert AutoModelForCausalLM.from_pretrained(str(prophet)).config.hidden_size == 16
     assert len(AutoTokenizer.from_pretrained(str(target))) == 300
-    out = load(str(target), draft=str(drafter)).generate("def f(", max_new_tokens=8, temperature=0)
+    out = load(str(target), draft=str(prophet)).generate("def f(", max_new_tokens=8, temperature=0)
     assert len(out.token_ids) == 8
     # a second run resumes from the checkpoint instead of starting over
     assert main(["train", "--config", str(tmp_path / "cfg.toml"), "--work-dir", str(work), "--out", str(target),

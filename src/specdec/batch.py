@@ -8,7 +8,7 @@ of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
   request's `target_cached` (or `draft_cached`), nothing else to roll back.
 - `Request` (`specdec.request`): one sequence and all of its state (ids, sampling settings,
   generator, K, cache slot, cache lengths, finish reason). Nothing about a request lives in
-  the engine. The prophets for rows are in `specdec.rowdrafters`; any other model scores
+  the engine. The prophets for rows are in `specdec.rowprophets`; any other model scores
   rows in turn through `specdec.rows.RowsLM`.
 - `BatchEngine.step(requests)`: one drafting pass, one target forward for all active rows,
   ragged verification (`specdec.ragged`), commit per row; rows that finish free their slot
@@ -41,16 +41,16 @@ from specdec.lm import common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.ragged import verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
-from specdec.rowdrafters import (
+from specdec.rowprophets import (
     TREE,
     BatchDraft,
-    BatchDrafter,
-    Eagle3BatchDrafter,
-    FirstBatchDrafter,
-    LookupBatchDrafter,
-    ModelBatchDrafter,
-    RowsDrafter,
-    TreeBatchDrafter,
+    BatchProphet,
+    Eagle3BatchProphet,
+    FirstBatchProphet,
+    LookupBatchProphet,
+    ModelBatchProphet,
+    RowsProphet,
+    TreeBatchProphet,
     _prefill,
     _probs_by_params,
 )
@@ -63,18 +63,18 @@ POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts wit
 
 
 class BatchEngine:
-    def __init__(self, target: BatchLM, drafter: BatchDrafter | None = None, eos_token_ids: Iterable[int] = (),
+    def __init__(self, target: BatchLM, prophet: BatchProphet | None = None, eos_token_ids: Iterable[int] = (),
                  tokenizer: Any = None) -> None:
-        if isinstance(drafter, ModelBatchDrafter) and (drafter.lm.vocab_size != target.vocab_size
-                                                        or drafter.lm.slots != target.slots):
-            raise ValueError("the drafter must score the target's vocabulary and have as many slots")
-        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        if isinstance(prophet, ModelBatchProphet) and (prophet.lm.vocab_size != target.vocab_size
+                                                        or prophet.lm.slots != target.slots):
+            raise ValueError("the prophet must score the target's vocabulary and have as many slots")
+        self.target, self.prophet, self.tokenizer = target, prophet, tokenizer
         # the prophets one by one (several under first, best or tree), and the draft models'
         # own slots among them (an early exit drafts in the target's)
-        self.parts: list[Any] = list(drafter.parts) if isinstance(drafter, FirstBatchDrafter | TreeBatchDrafter) \
-            else [drafter] if drafter is not None else []
-        self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchDrafter)}
-        self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchDrafter)
+        self.parts: list[Any] = list(prophet.parts) if isinstance(prophet, FirstBatchProphet | TreeBatchProphet) \
+            else [prophet] if prophet is not None else []
+        self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchProphet)}
+        self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchProphet)
                                          and p.lm is not target]
         # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
         self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts
@@ -151,7 +151,7 @@ class BatchEngine:
             torch.tensor(draft.one_hot, dtype=torch.bool, device=target_probs.device)
         verdict = verify_rows(draft_tokens, lens, probs, one_hot, target_probs, [r.generator for r in active])
         # 5. Commit per row; finished rows leave and free their slot.
-        names = draft.names or [self.drafter.name if self.drafter else None] * len(active)
+        names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
         events = []
         for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
             events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
@@ -173,9 +173,9 @@ class BatchEngine:
             # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
             logits, hidden, fused = self.target.forward_fused(  # type: ignore[attr-defined]
                 *args, capture=self.fused_layers, trees=trees)
-            if not (self.drafter is not None and self.drafter.reads_features):
+            if not (self.prophet is not None and self.prophet.reads_features):
                 hidden = None
-        elif self.drafter is not None and self.drafter.reads_features:
+        elif self.prophet is not None and self.prophet.reads_features:
             logits, hidden = self.target.forward_features(*args, trees=trees)
         else:
             logits = self.target.forward(*args, trees=trees)
@@ -249,11 +249,11 @@ class BatchEngine:
         to the longest feed, so with auto rows one K for the step is chosen from the rows'
         acceptance and drafts: before drafting for a model (each step costs), after it for
         the others (a lookup is free, a feature prophet's batched step nearly so)."""
-        if self.drafter is None:
+        if self.prophet is None:
             return BatchDraft([[] for _ in active], None)
-        if isinstance(self.drafter, TreeBatchDrafter):  # a tree per row, K from the row's policy
+        if isinstance(self.prophet, TreeBatchProphet):  # a tree per row, K from the row's policy
             ks = [self._draft_budget(r, TREE) for r in active]
-            return self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
+            return self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         skip: set[str] = set()
         if costs is not None:
             self._costed_steps += 1
@@ -262,16 +262,16 @@ class BatchEngine:
         def budget(r: Request, name: str | None = None) -> int:
             return 0 if name in skip and _batch_free(r) else self._draft_budget(r, name)
 
-        if isinstance(self.drafter, FirstBatchDrafter):
+        if isinstance(self.prophet, FirstBatchProphet):
             ks = [self._draft_budget(r) for r in active]
-            draft = self.drafter.propose(active, ks, budget=budget) if any(ks) else \
+            draft = self.prophet.propose(active, ks, budget=budget) if any(ks) else \
                 BatchDraft([[] for _ in active], None)
         else:
-            ks = [budget(r, self.drafter.name) for r in active]
-            if costs is not None and isinstance(self.drafter, ModelBatchDrafter):  # early exit too
+            ks = [budget(r, self.prophet.name) for r in active]
+            if costs is not None and isinstance(self.prophet, ModelBatchProphet):  # early exit too
                 ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
-            draft = self.drafter.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
-        if costs is not None and not isinstance(self.drafter, ModelBatchDrafter):
+            draft = self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
+        if costs is not None and not isinstance(self.prophet, ModelBatchProphet):
             lens = [len(t) for t in draft.tokens]
             draft = draft.cut(self._batch_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
         return draft
@@ -292,7 +292,7 @@ class BatchEngine:
         (d0, d1), (g0, g1) = e.spans
         name = e.prophet
         return RoundEvent(
-            index=index, drafter=name, k=max(e.proposals.values(), default=0) if e.proposals else len(e.drafted),
+            index=index, prophet=name, k=max(e.proposals.values(), default=0) if e.proposals else len(e.drafted),
             drafted=list(e.drafted), accepted=e.accepted,
             next_token=e.next_token, next_kind=e.next_kind,
             committed=list(e.committed if committed is None else committed),
@@ -360,7 +360,7 @@ class BatchEngine:
         for lm in self.draft_lms:
             lm.free(req.slot)
         for part in self.parts:
-            if isinstance(part, RowsDrafter | Eagle3BatchDrafter):
+            if isinstance(part, RowsProphet | Eagle3BatchProphet):
                 part.free(req.slot)
         self._free.append(req.slot)
         req.slot, req.fused = None, []
@@ -376,20 +376,20 @@ class BatchEngine:
             r.fused, r.fused_from = [], 0
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
-        if self.drafter is not None:  # a drafter's own model is small: its prompt goes in at once
-            self.drafter.prefill([r for r in new if r.k > 0])
+        if self.prophet is not None:  # a prophet's own model is small: its prompt goes in at once
+            self.prophet.prefill([r for r in new if r.k > 0])
 
     def _draft_budget(self, req: Request, prophet: str | None = None) -> int:
         """K for this step: of `prophet` as the request's policy chooses it (None: the largest
         the request allows), cut so a step never overshoots max_new_tokens (a step yields up
-        to K+1 tokens) or the target's or drafter's context."""
-        if self.drafter is None or req.k == 0 or (prophet not in (None, TREE) and req.prophets is not None
+        to K+1 tokens) or the target's or prophet's context."""
+        if self.prophet is None or req.k == 0 or (prophet not in (None, TREE) and req.prophets is not None
                                                    and prophet not in req.prophets):
             return 0
         k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)
         room = self.target.max_length - len(req.context)
-        return max(0, min(k, req.k, remaining - 1, room, self.drafter.room(req)))
+        return max(0, min(k, req.k, remaining - 1, room, self.prophet.room(req)))
 
     def set_costs(self, costs: Costs) -> None:
         """Use these costs at every batch size instead of measuring them (tests, known hardware)."""
@@ -405,7 +405,7 @@ class BatchEngine:
         alone keeps the K its policy chose (the policy weighed the same costs, and may probe)."""
         if not any(lens) or len(active) == 1:  # a row alone: its own policy's K (probes included)
             return list(lens)
-        default = self.drafter.name if self.drafter is not None else None
+        default = self.prophet.name if self.prophet is not None else None
         row_names = [n or default for n in names] if names else [default] * len(active)
         rates = [p if (p := self._pooled_rate(n)) is not None else
                  a if r.policy is not None and (a := r.policy.acceptance(n)) is not None else 0.999
@@ -450,7 +450,7 @@ class BatchEngine:
         4, ... up to the slots) that the auto policy would otherwise measure on the first
         requests of that size (a server does this at startup, so that no request waits for
         it). Buckets already measured are kept. Returns the costs by bucket."""
-        if self.drafter is None or k_max < 1:
+        if self.prophet is None or k_max < 1:
             return dict(self._costs)
         for size in sorted({self._bucket(n) for n in range(1, self.target.slots + 1)}):
             if size not in self._costs and len(self._free) >= size:
@@ -482,7 +482,7 @@ class BatchEngine:
         pass over n = 1..K+1 tokens per row, and a drafting pass. Nothing it writes
         survives: caches are written by position, past each row's cached length."""
         rows = [r for r in active if r.policy is not None and r.policy.needs_costs and r.k > 0]
-        if not rows or self.drafter is None:
+        if not rows or self.prophet is None:
             return None
         bucket = self._bucket(len(active))
         if bucket not in self._costs:
@@ -520,15 +520,15 @@ class BatchEngine:
 
     def _measure_at(self, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
         slots, starts, n_rows = [_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
-        width = len(self.parts) if isinstance(self.drafter, TreeBatchDrafter) else 1
+        width = len(self.parts) if isinstance(self.prophet, TreeBatchProphet) else 1
         room = min(self.target.max_length - s for s in starts)
         sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
         for part in self.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
-            if isinstance(part, Eagle3BatchDrafter):
+            if isinstance(part, Eagle3BatchProphet):
                 part.settle(rows, leave=2)
         saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
                  for r in rows]
-        features = self.drafter is not None and self.drafter.reads_features
+        features = self.prophet is not None and self.prophet.reads_features
         who = f"target '{self.target.name}'"
         fresh: list[torch.Tensor | None] = [None] * n_rows
 
@@ -538,7 +538,7 @@ class BatchEngine:
                 r.generator.set_state(state)
                 r.fused, r.fused_from = list(fused), fused_from
 
-        q_max: torch.Tensor | None = None  # a sampled draft's q (the drafter allocates it, outside the pass)
+        q_max: torch.Tensor | None = None  # a sampled draft's q (the prophet allocates it, outside the pass)
 
         def score(n: int) -> None:  # a step's pass, probabilities and verification for n tokens per row
             nonlocal q_max
@@ -554,14 +554,14 @@ class BatchEngine:
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
             part.propose(rows, [k] * n_rows)
-            if not isinstance(part, LookupBatchDrafter):
+            if not isinstance(part, LookupBatchProphet):
                 score(1 + width * k)
 
         # Each prophet's round is timed as it runs, its drafting right after a target pass
         # (whose weights push the prophet's out of the processor's caches): alone, back to
         # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
-        # drafting row by row (RowsDrafter) reports its own cost; one with no room drafts nothing.
-        ks = {p.name: sorted({1, k}) for p in self.parts if not isinstance(p, RowsDrafter)
+        # drafting row by row (RowsProphet) reports its own cost; one with no room drafts nothing.
+        ks = {p.name: sorted({1, k}) for p in self.parts if not isinstance(p, RowsProphet)
               and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
         timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
         timed.update({(p.name, j): functools.partial(round_of, p, j) for p in self.parts for j in ks.get(p.name, [])})
@@ -579,9 +579,9 @@ class BatchEngine:
             fresh = [None] * n_rows
             put_back()
         t_verify = monotone({n: t[n] for n in sizes})
-        per_token = {p.name: p.per_token if isinstance(p, RowsDrafter) else 0.0 for p in self.parts}
+        per_token = {p.name: p.per_token if isinstance(p, RowsProphet) else 0.0 for p in self.parts}
         per_call: dict[str, float] = {}
-        lookups = {p.name for p in self.parts if isinstance(p, LookupBatchDrafter)}
+        lookups = {p.name for p in self.parts if isinstance(p, LookupBatchProphet)}
         for name, js in ks.items():
             drafting = {j: max(0.0, t[name, j] - (0.0 if name in lookups else t[1 + width * j])) for j in js}
             k = max(drafting)
@@ -612,7 +612,7 @@ class BatchEngine:
             pooled = self._pooled.setdefault(prophet, [0.0, 0.0])
             pooled[0] = pooled[0] * POOL_DECAY + min(n_drafted, n_accepted + 1)
             pooled[1] = pooled[1] * POOL_DECAY + n_accepted
-        if req.policy is not None and self.drafter is not None:
+        if req.policy is not None and self.prophet is not None:
             req.policy.observe(RoundOutcome(n_drafted, n_accepted, share[0], share[1], 1 if n_drafted else 0,
                                             prophet if n_drafted else None))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.

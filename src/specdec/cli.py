@@ -18,13 +18,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "trained here on the standard library, for tests and quick runs), a Hugging Face id, a "
                         "local directory or a GGUF file")
     p.add_argument("--draft", default="default",
-                   help="drafter(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
+                   help="prophet(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
                         "with '+' (default: the target's shipped prophets: for smollm2 prompt lookup, then its "
-                        "eagle prophet; for bundled its drafter; none for other models)")
+                        "eagle prophet; for bundled its prophet; none for other models)")
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="auto", choices=["auto", "tree", "best", "first"],
-                   help="several drafters: verify a token tree of all drafts (tree), the first that proposes "
+                   help="several prophets: verify a token tree of all drafts (tree), the first that proposes "
                         "something in order of recent tokens per round, untried first (best), or the first in "
                         "--draft order that proposes something (first); auto: "
                         "first when a feature prophet is among them, else tree")
@@ -210,8 +210,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.stats import summarize
 
     stats = summarize(events)
-    title = "plain decoding" if not decoder.drafters else \
-        f"speculative decoding ({', '.join(d.name for d in decoder.drafters)}, policy {args.policy})"
+    title = "plain decoding" if not decoder.prophets else \
+        f"speculative decoding ({', '.join(d.name for d in decoder.prophets)}, policy {args.policy})"
     err.print(_stats_table(stats, title))
     if plain is not None:
         base = plain.generate(**settings)
@@ -235,8 +235,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from specdec.check import certify
 
     decoder = _load(args)
-    if not decoder.drafters:
-        raise SpecdecError("check needs a drafter: plain decoding is compared with itself")
+    if not decoder.prophets:
+        raise SpecdecError("check needs a prophet: plain decoding is compared with itself")
     plain = decoder.plain()
     err = Console(stderr=True)
     with Progress(console=err, transient=True) as bar:
@@ -295,8 +295,8 @@ def cmd_index(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from specdec.defaults import default_target, resolve_bundled
-    from specdec.drafters.retrieval import build_default_datastore, default_index_path
     from specdec.gguf import resolve_model
+    from specdec.prophets.retrieval import build_default_datastore, default_index_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(resolve_bundled(args.tokenizer or default_target())))
     out = Path(args.out) if args.out else default_index_path(tokenizer)
@@ -411,14 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     t.set_defaults(func=cmd_train)
 
-    d = sub.add_parser("distill", help="train the drafter on the data, then distill it from a target")
+    d = sub.add_parser("distill", help="train the prophet on the data, then distill it from a target")
     d.add_argument("--config", default="configs/bundled.toml")
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
     d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")
     d.add_argument("--target", default="models/target")
-    d.add_argument("--out", default="models/drafter")
-    d.add_argument("--data-out", default=None, help="also save the data-only drafter here")
+    d.add_argument("--out", default="models/prophet")
+    d.add_argument("--data-out", default=None, help="also save the data-only prophet here")
     d.add_argument("--data-minutes", type=float, default=None)
     d.add_argument("--distill-minutes", type=float, default=None)
     d.add_argument("--max-steps", type=int, default=None)
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-k", type=int, default=4, help="K of the fixed-K configurations")
     b.add_argument("--target", default=None)
     b.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
-    b.add_argument("--drafter", default=None)
+    b.add_argument("--prophet", default=None)
     b.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
                    help="the target's weights for every configuration (default: as `specdec run` loads the "
                         "target: int4 for smollm2 on the CPU, float32 for other models)")

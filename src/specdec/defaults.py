@@ -49,8 +49,8 @@ def bundled_target() -> str:
     return str(models_dir() / "target")
 
 
-def bundled_drafter() -> str:
-    return str(models_dir() / "drafter")
+def bundled_prophet() -> str:
+    return str(models_dir() / "prophet")
 
 
 def resolve_bundled(name: str) -> str:
@@ -67,8 +67,8 @@ def _is_bundled(target: str) -> bool:
         return False
 
 
-def default_drafter_for(target: str) -> str:
-    """The measured best prophet for a target: the bundled drafter for the bundled target;
+def default_prophet_for(target: str) -> str:
+    """The measured best prophet for a target: the bundled prophet for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
@@ -76,7 +76,7 @@ def default_drafter_for(target: str) -> str:
     from specdec.gguf import is_alias
 
     if _is_bundled(target):
-        return bundled_drafter()
+        return bundled_prophet()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
         return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"

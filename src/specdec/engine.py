@@ -28,13 +28,13 @@ from specdec import layerloop
 from specdec.batch import BatchEngine
 from specdec.costmodel import Costs
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
-from specdec.drafters.base import Drafter
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
 from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
 from specdec.lm import CausalLM
 from specdec.policy import Policy, make_policy
+from specdec.prophets.base import Prophet
 from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
@@ -87,9 +87,9 @@ def _check_ids(prompt: Any) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `target` with zero, one or several drafters.
+    """Speculative decoding of `target` with zero, one or several prophets.
 
-    With several drafters, `multi="tree"` merges their drafts into one token tree verified
+    With several prophets, `multi="tree"` merges their drafts into one token tree verified
     exactly in one target pass; `multi="best"` asks them in the order of their recent
     tokens per round in this request (one not yet tried first; `policy.best_first`) and
     verifies the first non-empty draft; `multi="first"` asks them in
@@ -98,33 +98,33 @@ class SpeculativeDecoder:
     committed context, so every mode stays exact.
     """
 
-    def __init__(self, target: CausalLM, drafters: Drafter | Sequence[Drafter] | None = None,
+    def __init__(self, target: CausalLM, prophets: Prophet | Sequence[Prophet] | None = None,
                  tokenizer: Any = None, policy: Policy | None = None, multi: str = "tree",
                  eos_token_ids: Iterable[int] = ()) -> None:
-        if drafters is None:
-            drafters = []
-        elif not isinstance(drafters, Sequence):
-            drafters = [drafters]
+        if prophets is None:
+            prophets = []
+        elif not isinstance(prophets, Sequence):
+            prophets = [prophets]
         if multi not in ("tree", "best", "first"):
             raise ValueError(f"multi must be 'tree', 'best' or 'first', got {multi!r}")
-        for d in drafters:
+        for d in prophets:
             if d.vocab_size is not None and d.vocab_size != target.vocab_size:
-                raise ValueError(f"drafter '{d.name}' scores {d.vocab_size} ids, the target {target.vocab_size}")
+                raise ValueError(f"prophet '{d.name}' scores {d.vocab_size} ids, the target {target.vocab_size}")
         self.target = target
-        self.drafters = list(drafters)
+        self.prophets = list(prophets)
         self.tokenizer = tokenizer
         self.policy = policy or Policy(5)
         self._costs: Costs | None = None  # measured once (calibrate) for whichever policy needs costs
         self.multi = multi
         self.eos_token_ids = set(eos_token_ids)
-        self._feature_readers = [d for d in self.drafters if d.reads_features]
+        self._feature_readers = [d for d in self.prophets if d.reads_features]
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
                              f"'{self._feature_readers[0].name}' drafts from")
 
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:
-        """A decoder with no drafter over the same target model (its own cache)."""
+        """A decoder with no prophet over the same target model (its own cache)."""
         return SpeculativeDecoder(self.target.fresh(), None, self.tokenizer, Policy(1),
                                   eos_token_ids=self.eos_token_ids)
 
@@ -193,7 +193,7 @@ class SpeculativeDecoder:
                                                  draft_tokens, stop, prophets, policy, sampling)
         if pol is self.policy:
             pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
-        k = (draft_tokens or self.policy.k0) if self.drafters else 0
+        k = (draft_tokens or self.policy.k0) if self.prophets else 0
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
                       allowed, sampling)
         return req, Finish(self.tokenizer, stops)
@@ -204,7 +204,7 @@ class SpeculativeDecoder:
                  sampling: str) -> tuple[list[int], frozenset[str] | None, Policy, tuple[str, ...]]:
         """A request's settings, checked as every path checks them: its prompt ids, the
         prophets that may draft for it, its K policy (reset for it) and its stop strings."""
-        allowed = check_prophets(prophets, [d.name for d in self.drafters])
+        allowed = check_prophets(prophets, [d.name for d in self.prophets])
         check_sampling(sampling)
         ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -214,7 +214,7 @@ class SpeculativeDecoder:
                                      f"{self.target.max_length} tokens: shorten the prompt")
         policy = self.policy if policy_name in (None, self.policy.name) else \
             make_policy(policy_name, draft_tokens or self.policy.k0)
-        if policy.needs_costs and policy.costs is None and self.drafters:
+        if policy.needs_costs and policy.costs is None and self.prophets:
             policy.costs = self.decision_costs()  # each step then reads them at its temperature and length
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
         return ids, allowed, policy, check_stops(stop, self.tokenizer)
@@ -313,7 +313,7 @@ class SpeculativeDecoder:
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "device": str(self.target.device),
-                "prophets": [f"{type(d).__name__}:{d.name}" for d in self.drafters], "multi": self.multi,
+                "prophets": [f"{type(d).__name__}:{d.name}" for d in self.prophets], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
@@ -373,7 +373,7 @@ class SpeculativeDecoder:
 
         engine = engine_for(self, ONE_LOOP_SLOTS, costs=False)
         k = self.policy.k0
-        room = self.target.max_length - 2 * (1 + len(self.drafters) * k)
+        room = self.target.max_length - 2 * (1 + len(self.prophets) * k)
 
         def at(n: int) -> Costs:
             ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]

@@ -10,7 +10,7 @@ class ModelLoadError(SpecdecError):
 
 
 class VocabularyMismatchError(SpecdecError):
-    """Target and drafter do not share a vocabulary."""
+    """Target and prophet do not share a vocabulary."""
 
 
 class ContextLengthError(SpecdecError, ValueError):

@@ -10,7 +10,7 @@ from typing import Any
 @dataclass
 class RoundEvent:
     index: int
-    drafter: str | None  # who drafted this round; None for a plain decoding step
+    prophet: str | None  # who drafted this round; None for a plain decoding step
     # K of the round: the tokens drafted after the step's cuts (policy, length, context, the
     # step's common K); for a tree, the longest prophet's chain
     k: int
@@ -19,15 +19,15 @@ class RoundEvent:
     next_token: int  # the recovered or bonus token that ends the round
     next_kind: str  # "recovered" or "bonus"
     committed: list[int]  # tokens appended to the output this round, after stop cuts
-    draft_calls: int  # drafter forward passes this round
+    draft_calls: int  # prophet forward passes this round
     target_calls: int  # target forward passes this round (1)
     start: float
     end: float
     draft_spans: list[tuple[float, float]] = field(default_factory=list)
     target_span: tuple[float, float] = (0.0, 0.0)
-    tree_size: int = 0  # nodes scored when several drafters proposed a tree
-    accepted_by: list[str] = field(default_factory=list)  # drafter of each accepted token
-    proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per drafter
+    tree_size: int = 0  # nodes scored when several prophets proposed a tree
+    accepted_by: list[str] = field(default_factory=list)  # prophet of each accepted token
+    proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per prophet
     text: str = ""  # text released to a stream this round
     finish_reason: str | None = None
 

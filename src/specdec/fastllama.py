@@ -4,14 +4,14 @@ a `CausalLM` on slot 0 of a one-slot `BatchLlama` (what a decoder holds as its t
 draft models, and what training reads features through), with the weights, products and
 attention they share (`LlamaWeights`, `exact_attention`).
 
-A 2-layer drafter spends most of a Hugging Face forward call in Python (module calls,
+A 2-layer prophet spends most of a Hugging Face forward call in Python (module calls,
 mask construction, cache bookkeeping), not in arithmetic, and that overhead is the
 draft cost c that speculative decoding pays K times a round. This path runs the same
 weights (read from the loaded Hugging Face model, nothing converted on disk) with fused
 QKV and gate/up projections and KV buffers written by position, so a rollback is only a
 length change (as in gpt-fast). Its logits match the Hugging Face model's to float
 tolerance (tested); exactness of speculative decoding never depends on it, since the
-verifier uses whatever q the drafter actually sampled from.
+verifier uses whatever q the prophet actually sampled from.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - fixed:      always K.
 - adaptive:   grow K after a fully accepted round, shrink it after a rejection (the
               heuristic of transformers' assisted generation, bounded to [k_min, k_max]).
-- confidence: draft up to k_max but stop as soon as the drafter's top probability falls
+- confidence: draft up to k_max but stop as soon as the prophet's top probability falls
               below a threshold (the seeds' "early stop").
 - optimal:    the K that maximises the expected walltime gain
               (1 - a^(K+1)) / ((1 - a) (K c + v(K))) from a running estimate of the
@@ -32,7 +32,7 @@ class RoundOutcome:
     draft_s: float
     target_s: float
     draft_calls: int
-    drafter: str | None = None  # the prophet whose draft was verified ("a+b" for a tree), None: a plain step
+    prophet: str | None = None  # the prophet whose draft was verified ("a+b" for a tree), None: a plain step
 
 
 def check_k(k: object) -> int:
@@ -219,8 +219,8 @@ class AutoPolicy(Policy):
         return ev.k
 
     def observe(self, outcome: RoundOutcome) -> None:
-        key = (outcome.drafter or "*") if outcome.drafted else None
-        for name, other in self.evidence.items():  # a round passes for every pausing prophet but the drafter
+        key = (outcome.prophet or "*") if outcome.drafted else None
+        for name, other in self.evidence.items():  # a round passes for every pausing prophet but the prophet
             if name != key and other.pause > 0:
                 other.pause -= 1
                 if other.pause == 0:  # the pause ends: what it showed weighs less against the next rounds

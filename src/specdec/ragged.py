@@ -37,7 +37,7 @@ class RaggedVerdict:
 
 
 def _row_q(draft_probs: torch.Tensor | None, one_hot: torch.Tensor | None, b: int, k: int) -> torch.Tensor | None:
-    """Row b's q_1..q_k (k, V), or None where the row's drafter is deterministic."""
+    """Row b's q_1..q_k (k, V), or None where the row's prophet is deterministic."""
     if draft_probs is None or (one_hot is not None and bool(one_hot[b])):
         return None
     return draft_probs[b, :k]
@@ -46,7 +46,7 @@ def _row_q(draft_probs: torch.Tensor | None, one_hot: torch.Tensor | None, b: in
 def verify_rows_reference(
     draft_tokens: torch.Tensor,  # (B, K) int64, row b valid up to draft_lens[b]
     draft_lens: Sequence[int],  # (B,) k_b
-    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None when every row's drafter is deterministic
+    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None when every row's prophet is deterministic
     one_hot: torch.Tensor | None,  # (B,) bool: rows whose q is one-hot (draft_probs ignored); None = none
     target_probs: torch.Tensor,  # (B, K+1, V) p, row b valid up to draft_lens[b] + 1
     generators: Sequence[torch.Generator],  # (B,) one per row
@@ -62,7 +62,7 @@ def verify_rows_reference(
 def verify_rows(
     draft_tokens: torch.Tensor,  # (B, K) int64, row b valid up to draft_lens[b]
     draft_lens: Sequence[int],  # (B,) k_b
-    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None when every row's drafter is deterministic
+    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None when every row's prophet is deterministic
     one_hot: torch.Tensor | None,  # (B,) bool: rows whose q is one-hot (draft_probs ignored); None = none
     target_probs: torch.Tensor,  # (B, K+1, V) p, row b valid up to draft_lens[b] + 1
     generators: Sequence[torch.Generator],  # (B,) one per row

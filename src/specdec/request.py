@@ -36,7 +36,7 @@ class Request:
     error: str | None = None  # why the engine refused this request (the others in its step go on)
     slot: int | None = None  # the cache slot this request holds while it runs
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
-    # the same for each draft model's slot (its drafter state), by the draft model's name
+    # the same for each draft model's slot (its prophet state), by the draft model's name
     draft_cached: dict[str, int] = field(default_factory=dict)
     feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
     # the target's fused features (an eagle3 prophet's true slots) of positions fused_from.., in

@@ -1,7 +1,7 @@
 """Logits -> the distribution actually sampled from (temperature, top-k, top-p).
 
 Pure functions. The same `SamplingParams` are applied to the target's logits (p) and to
-a drafter's logits (q), so that the verifier compares the two distributions that are
+a prophet's logits (q), so that the verifier compares the two distributions that are
 really sampled from. Temperature 0 means greedy: the distribution is one-hot on the
 argmax (ties broken toward the lowest id, as `torch.argmax` does).
 

@@ -49,7 +49,7 @@ class Stats:
     tokens_per_s: float = 0.0
     # accepted / proposed at draft positions 1..K: a mean can hide a collapse late in the draft
     acceptance_by_position: list[float] = field(default_factory=list)
-    per_drafter: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_prophet: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +72,7 @@ def _position_profile(events: Sequence[RoundEvent]) -> list[float]:
     return [a / p for a, p in zip(accepted, proposed, strict=True)]
 
 
-def _per_drafter(events: Sequence[RoundEvent]) -> dict[str, dict[str, float]]:
+def _per_prophet(events: Sequence[RoundEvent]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for e in events:
         for name, n in e.proposals.items():
@@ -112,5 +112,5 @@ def summarize(events: Sequence[RoundEvent]) -> Stats:
     s.mean_accepted_run = s.accepted / s.rounds
     s.tokens_per_s = s.new_tokens / s.wall_s if s.wall_s > 0 else 0.0
     s.acceptance_by_position = _position_profile(events)
-    s.per_drafter = _per_drafter(events)
+    s.per_prophet = _per_prophet(events)
     return s

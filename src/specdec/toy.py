@@ -43,7 +43,7 @@ class MarkovLM:
         return MarkovLM(self.table.to(device), self.name, self.max_length)
 
     def blend(self, other: MarkovLM, weight: float, name: str) -> MarkovLM:
-        """A drafter close to this model: logits mixed with other's (weight 0 = identical)."""
+        """A prophet close to this model: logits mixed with other's (weight 0 = identical)."""
         return MarkovLM((1 - weight) * self.table + weight * other.table.to(self.device), name, self.max_length)
 
     def logits_after(self, context: Sequence[int]) -> torch.Tensor:

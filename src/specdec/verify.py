@@ -2,7 +2,7 @@
 
 Names follow Leviathan et al. / Chen et al. once, here, and nowhere else:
     p = `target_probs`  the distribution the target samples from (after temperature/top-k/top-p)
-    q = `draft_probs`   the distribution the drafter sampled its token from (same settings)
+    q = `draft_probs`   the distribution the prophet sampled its token from (same settings)
 
 Each round ends with exactly one token that was not drafted-and-accepted:
     accepted   drafted tokens that passed the test  u < p(x) / q(x)
@@ -10,7 +10,7 @@ Each round ends with exactly one token that was not drafted-and-accepted:
     bonus      the token sampled from p_{K+1} when all K drafted tokens were accepted
 so output tokens per round = accepted + 1 (recovered or bonus).
 
-A deterministic drafter (prompt lookup, retrieval, greedy) has `draft_probs=None`: q is
+A deterministic prophet (prompt lookup, retrieval, greedy) has `draft_probs=None`: q is
 one-hot on its token, so acceptance happens with probability p(x) and the residual is p
 with x removed. Greedy decoding is the case where p is one-hot too: accept while the
 drafted token is the target's argmax, then emit the argmax.
@@ -51,7 +51,7 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token
 
 def verify_chain(
     draft_tokens: torch.Tensor,  # (K,) int64
-    draft_probs: torch.Tensor | None,  # (K, V) q_1..q_K, or None for a deterministic drafter
+    draft_probs: torch.Tensor | None,  # (K, V) q_1..q_K, or None for a deterministic prophet
     target_probs: torch.Tensor,  # (K+1, V) p_1..p_{K+1}
     generator: torch.Generator | None,
 ) -> Verdict:
@@ -79,19 +79,19 @@ def verify_chain(
 
 @dataclass
 class DraftTree:
-    """Candidate continuations from several drafters, merged into a token tree.
+    """Candidate continuations from several prophets, merged into a token tree.
 
     Nodes are numbered 0..N-1 in an order where a parent comes before its children; parent
     -1 is the root (the position right after the committed context). A *proposal* is one
-    drafter's claim that `node` follows `parent`, with the q it sampled from (None = one-hot).
-    Two drafters proposing the same token at the same place share the node but keep two
+    prophet's claim that `node` follows `parent`, with the q it sampled from (None = one-hot).
+    Two prophets proposing the same token at the same place share the node but keep two
     proposals: each is tested in turn, which keeps the scheme exact.
     """
 
     tokens: list[int] = field(default_factory=list)  # (N,) token of each node
     parents: list[int] = field(default_factory=list)  # (N,) parent node, -1 = root
     proposals: list[tuple[int, int, torch.Tensor | None, str]] = field(default_factory=list)
-    # (parent, node, draft_probs (V,) or None, drafter name), in the order they are tried
+    # (parent, node, draft_probs (V,) or None, prophet name), in the order they are tried
 
     def child(self, parent: int, token: int) -> int:
         """The node for `token` under `parent`, created if new."""
@@ -103,7 +103,7 @@ class DraftTree:
         return len(self.tokens) - 1
 
     def add_chain(self, tokens: list[int], probs: torch.Tensor | None, name: str) -> None:
-        """Add one drafter's chain. probs (len(tokens), V) or None."""
+        """Add one prophet's chain. probs (len(tokens), V) or None."""
         parent = -1
         for i, t in enumerate(tokens):
             node = self.child(parent, t)
@@ -116,7 +116,7 @@ class TreeVerdict:
     path: list[int]  # accepted nodes, root to leaf
     next_token: int
     next_kind: NextKind
-    accepted_by: list[str]  # drafter whose proposal was accepted at each step of the path
+    accepted_by: list[str]  # prophet whose proposal was accepted at each step of the path
 
 
 def verify_tree(

@@ -1,9 +1,9 @@
 """Wiring: from names to running parts, in one place.
 
-A `--draft` spec ("ngram", "models/drafter+ngram", "smollm2:int8", ...) is parsed here and
+A `--draft` spec ("ngram", "models/prophet+ngram", "smollm2:int8", ...) is parsed here and
 each part is built by the first prophet kind in the registry that claims it; models are
 loaded here and wrapped for the engine (the lean Llama path or transformers'); dtypes are
-resolved here. Drafters are handed the models they need and never import the loader.
+resolved here. Prophets are handed the models they need and never import the loader.
 
     register(ProphetKind("mine", lambda part: part == "mine", build_mine, "my prophet"))
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Drafter
 from specdec.errors import ModelLoadError, VocabularyMismatchError
 from specdec.lm import HFCausalLM
+from specdec.prophets.base import Prophet
 
 
 # ----------------------------------------------------------------- dtypes and devices
@@ -145,12 +145,12 @@ def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | Non
         only_t = len(set(target_tok.get_vocab()) - set(draft_tok.get_vocab()))
         only_d = len(set(draft_tok.get_vocab()) - set(target_tok.get_vocab()))
         raise VocabularyMismatchError(
-            f"target '{target_name}' and drafter '{draft_name}' have different vocabularies "
+            f"target '{target_name}' and prophet '{draft_name}' have different vocabularies "
             f"({len(target_tok)} vs {len(draft_tok)} entries; {only_t} only in the target's, {only_d} only in the "
-            f"drafter's). Speculative decoding needs a drafter with the target's tokenizer.")
+            f"prophet's). Speculative decoding needs a prophet with the target's tokenizer.")
     if draft_model.config.vocab_size < n_tok:
         raise VocabularyMismatchError(
-            f"drafter '{draft_name}' scores {draft_model.config.vocab_size} ids but the shared tokenizer has {n_tok}")
+            f"prophet '{draft_name}' scores {draft_model.config.vocab_size} ids but the shared tokenizer has {n_tok}")
     return n_tok
 
 
@@ -187,7 +187,7 @@ class Wiring:
 
     target: Any
     tokenizer: Any
-    dtype: torch.dtype = torch.float32  # a drafter model's weights
+    dtype: torch.dtype = torch.float32  # a prophet model's weights
     trust_remote_code: bool = False
     retrieval_index: str | None = None
     backend: str = "auto"
@@ -197,11 +197,11 @@ class Wiring:
 @dataclass(frozen=True)
 class ProphetKind:
     """One kind of `--draft` part: `claims(part)` says whether a part is of this kind,
-    `build(part, wiring)` makes the drafter."""
+    `build(part, wiring)` makes the prophet."""
 
     name: str
     claims: Callable[[str], bool]
-    build: Callable[[str, Wiring], Drafter]
+    build: Callable[[str, Wiring], Prophet]
     help: str
 
 
@@ -228,55 +228,55 @@ def parse_draft(spec: str | None) -> list[str]:
         return []
     parts = [p.strip() for p in spec.split("+")]
     if any(not p for p in parts):
-        raise ValueError(f"--draft {spec!r} has an empty part: join prophets with '+', e.g. models/drafter+ngram")
+        raise ValueError(f"--draft {spec!r} has an empty part: join prophets with '+', e.g. models/prophet+ngram")
     if len(set(parts)) != len(parts):
-        raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")
+        raise ValueError(f"each prophet may appear once in --draft, got {spec!r}")
     return parts
 
 
-def build_drafters(spec: str | None, target: Any, tokenizer: Any, dtype: torch.dtype = torch.float32,
+def build_prophets(spec: str | None, target: Any, tokenizer: Any, dtype: torch.dtype = torch.float32,
                    trust_remote_code: bool = False, retrieval_index: str | None = None,
-                   backend: str = "auto") -> list[Drafter]:
-    """Drafters for a `--draft` spec, each built by the first registered kind that claims it."""
+                   backend: str = "auto") -> list[Prophet]:
+    """Prophets for a `--draft` spec, each built by the first registered kind that claims it."""
     wiring = Wiring(target, tokenizer, dtype, trust_remote_code, retrieval_index, backend, target.device)
-    drafters = []
+    prophets = []
     for part in parse_draft(spec):
         kind = next(k for k in _REGISTRY if k.claims(part))
-        drafters.append(kind.build(part, wiring))
-    names = [d.name for d in drafters]
+        prophets.append(kind.build(part, wiring))
+    names = [d.name for d in prophets]
     if len(set(names)) != len(names):
-        raise ValueError(f"each drafter may appear once in --draft, got {spec!r}")
-    return drafters
+        raise ValueError(f"each prophet may appear once in --draft, got {spec!r}")
+    return prophets
 
 
-def _ngram(part: str, w: Wiring) -> Drafter:
-    from specdec.drafters.ngram import NgramDrafter
+def _ngram(part: str, w: Wiring) -> Prophet:
+    from specdec.prophets.ngram import NgramProphet
 
     if ":" not in part:
-        return NgramDrafter()
+        return NgramProphet()
     try:
         n_max = int(part.split(":", 1)[1])
     except ValueError:
         raise ValueError(f"ngram takes a longest match length, e.g. ngram:4, got {part!r}") from None
-    return NgramDrafter(n_max=n_max)
+    return NgramProphet(n_max=n_max)
 
 
-def _retrieval(part: str, w: Wiring) -> Drafter:
-    from specdec.drafters.retrieval import Datastore, RetrievalDrafter, build_default_datastore, default_index_path
+def _retrieval(part: str, w: Wiring) -> Prophet:
+    from specdec.prophets.retrieval import Datastore, RetrievalProphet, build_default_datastore, default_index_path
 
     if w.retrieval_index is not None:
         if not Path(w.retrieval_index).exists():
             raise ValueError(f"retrieval index '{w.retrieval_index}' does not exist: "
                              f"build it with `specdec index --out {w.retrieval_index}`")
-        return RetrievalDrafter(Datastore.load(Path(w.retrieval_index)))
+        return RetrievalProphet(Datastore.load(Path(w.retrieval_index)))
     default = default_index_path(w.tokenizer)  # over the stdlib training split, built once
     store = Datastore.load(default) if default.exists() else build_default_datastore(w.tokenizer, default)
-    return RetrievalDrafter(store)
+    return RetrievalProphet(store)
 
 
-def _layerskip(part: str, w: Wiring) -> Drafter:
+def _layerskip(part: str, w: Wiring) -> Prophet:
     """layerskip:L, or plain `layerskip` (= layerskip:auto) for the L that measurement favours."""
-    from specdec.drafters.layerskip import LayerSkipDrafter, choose_layers
+    from specdec.prophets.layerskip import LayerSkipProphet, choose_layers
 
     if part in ("layerskip", "layerskip:auto"):
         from specdec.data.prompts import build_suite
@@ -288,30 +288,30 @@ def _layerskip(part: str, w: Wiring) -> Drafter:
             layers = int(part.split(":", 1)[1])
         except (IndexError, ValueError):
             raise ValueError(f"layerskip takes a layer count, e.g. layerskip:4, got {part!r}") from None
-    return LayerSkipDrafter(w.target, layers)
+    return LayerSkipProphet(w.target, layers)
 
 
-def _int8(part: str, w: Wiring) -> Drafter:
+def _int8(part: str, w: Wiring) -> Prophet:
     """A compressed copy of a model (the target itself when it is named) with int8 weights
     and its own KV cache, drafting for the full-precision target."""
-    from specdec.drafters.model import ModelDrafter
     from specdec.fastllama import FastLlamaLM, supports
+    from specdec.prophets.model import ModelProphet
 
     name = part[: -len(":int8")]
     if name == w.target.name:
         model = w.target.model
     else:
-        model, draft_tok = load_pretrained(name, torch.float32, w.trust_remote_code, role="drafter", device=w.device)
+        model, draft_tok = load_pretrained(name, torch.float32, w.trust_remote_code, role="prophet", device=w.device)
         shared_vocab_size(w.target.model, w.tokenizer, model, draft_tok, w.target.name, name)
     if not supports(model):
         raise ValueError(f"'{name}:int8' needs a plain Llama model (the lean path quantizes it)")
-    return ModelDrafter(FastLlamaLM(model, f"{name}:int8", w.target.vocab_size, int8=True, act_dtype=w.dtype),
+    return ModelProphet(FastLlamaLM(model, f"{name}:int8", w.target.vocab_size, int8=True, act_dtype=w.dtype),
                         name=f"{short_name(name)}:int8")
 
 
-def _feature(part: str, w: Wiring) -> Drafter:
+def _feature(part: str, w: Wiring) -> Prophet:
     """A feature prophet (models/smollm2-eagle, ...), handed the target's embeddings and head."""
-    from specdec.drafters.feature import FeatureDrafter, load_head
+    from specdec.prophets.feature import FeatureProphet, load_head
 
     head, vocab_ids, cfg = load_head(Path(part))
     if head.kind != "kangaroo" and not w.target.offers_hidden:
@@ -323,10 +323,10 @@ def _feature(part: str, w: Wiring) -> Drafter:
         raise ValueError(f"prophet '{part}' was trained for a target with hidden size {head.dim}, {vocab} ids{needs}; "
                          f"'{w.target.name}' has {lm_head.shape[1]}, {lm_head.shape[0]} and {w.target.n_layers} layers")
     if head.kind == "kangaroo":  # early exit + adapter: the target's first layers draft
-        from specdec.drafters.layerskip import AdaptedExitDrafter
+        from specdec.prophets.layerskip import AdaptedExitProphet
 
-        return AdaptedExitDrafter(w.target, head, vocab_ids, name=short_name(part), dtype=w.dtype)
-    return FeatureDrafter(head, w.target.embeddings(), lm_head, vocab_ids, w.target.vocab_size,
+        return AdaptedExitProphet(w.target, head, vocab_ids, name=short_name(part), dtype=w.dtype)
+    return FeatureProphet(head, w.target.embeddings(), lm_head, vocab_ids, w.target.vocab_size,
                           name=short_name(part), dtype=w.dtype, block_head=_block_head(w.target, vocab_ids))
 
 
@@ -339,11 +339,11 @@ def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:
     return head.block_rows(vocab_ids) if isinstance(head, Int4Weight) else None
 
 
-def _eagle3(part: str, w: Wiring) -> Drafter:
+def _eagle3(part: str, w: Wiring) -> Prophet:
     """An EAGLE-3-style prophet (models/smollm2-eagle3): one decoder layer over the target's
     fused features; it needs the lean Llama path (whose passes keep those features)."""
-    from specdec.drafters.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
     from specdec.fastllama import FastLlamaLM
+    from specdec.prophets.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
 
     net, vocab_ids, cfg = load_eagle3(Path(part))
     target = w.target
@@ -358,26 +358,26 @@ def _eagle3(part: str, w: Wiring) -> Drafter:
     return Eagle3Prophet(runtime, target.vocab_size)  # type: ignore[return-value]
 
 
-def _model(part: str, w: Wiring) -> Drafter:
+def _model(part: str, w: Wiring) -> Prophet:
     """A smaller model with the target's tokenizer (a path, a hub id or a GGUF file)."""
-    from specdec.drafters.model import ModelDrafter
+    from specdec.prophets.model import ModelProphet
 
-    model, draft_tok = load_pretrained(part, w.dtype, w.trust_remote_code, role="drafter", device=w.device)
+    model, draft_tok = load_pretrained(part, w.dtype, w.trust_remote_code, role="prophet", device=w.device)
     vocab = shared_vocab_size(w.target.model, w.tokenizer, model, draft_tok, w.target.name, part)
     if vocab != w.target.vocab_size:
-        raise ValueError(f"drafter '{part}' and target '{w.target.name}' share {vocab} ids, "
+        raise ValueError(f"prophet '{part}' and target '{w.target.name}' share {vocab} ids, "
                          f"the target scores {w.target.vocab_size}")
-    return ModelDrafter(wrap(model, part, vocab, w.backend), name=short_name(part))
+    return ModelProphet(wrap(model, part, vocab, w.backend), name=short_name(part))
 
 
 def _is_eagle3(part: str) -> bool:
-    from specdec.drafters.eagle3 import is_eagle3
+    from specdec.prophets.eagle3 import is_eagle3
 
     return is_eagle3(part)
 
 
 def _is_feature_prophet(part: str) -> bool:
-    from specdec.drafters.feature import is_feature_prophet
+    from specdec.prophets.feature import is_feature_prophet
 
     return is_feature_prophet(part)
 
@@ -399,15 +399,15 @@ for _kind in (
     _REGISTRY.append(_kind)
 
 
-def resolve_multi(multi: str, drafters: list[Drafter]) -> str:
+def resolve_multi(multi: str, prophets: list[Prophet]) -> str:
     """multi="auto": "first" when a feature prophet (eagle3 too) is among several, else "tree"."""
     if multi == "auto":
-        return "first" if len(drafters) > 1 and any(d.reads_features or getattr(d, "fused_layers", None)
-                                                    for d in drafters) else "tree"
+        return "first" if len(prophets) > 1 and any(d.reads_features or getattr(d, "fused_layers", None)
+                                                    for d in prophets) else "tree"
     return multi
 
 
-__all__ = ["ProphetKind", "Wiring", "build_drafters", "default_draft_dtype", "eos_ids",
+__all__ = ["ProphetKind", "Wiring", "build_prophets", "default_draft_dtype", "eos_ids",
            "parse_draft", "prophet_kinds", "register", "resolve_device", "resolve_dtype", "resolve_multi",
            "short_name", "wrap"]
 
@@ -421,7 +421,7 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     if slots not in cache:
         cache[slots] = _new_engine(decoder, slots)
     engine = cache[slots]
-    if costs and engine.drafter is not None and decoder.policy.needs_costs and engine.row_costs is None:
+    if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine
         engine.row_costs = decoder.decision_costs()
@@ -431,23 +431,23 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine, BatchLlama
-    from specdec.drafters.eagle3 import Eagle3Prophet
-    from specdec.drafters.feature import FeatureDrafter
-    from specdec.drafters.layerskip import LayerSkipDrafter
-    from specdec.drafters.model import ModelDrafter
-    from specdec.drafters.ngram import NgramDrafter
-    from specdec.drafters.retrieval import RetrievalDrafter
     from specdec.fastllama import FastLlamaLM, supports
-    from specdec.rowdrafters import (
-        BatchDrafter,
-        Eagle3BatchDrafter,
-        EarlyExitBatchDrafter,
-        FeatureBatchDrafter,
-        FirstBatchDrafter,
-        LookupBatchDrafter,
-        ModelBatchDrafter,
-        RowsDrafter,
-        TreeBatchDrafter,
+    from specdec.prophets.eagle3 import Eagle3Prophet
+    from specdec.prophets.feature import FeatureProphet
+    from specdec.prophets.layerskip import LayerSkipProphet
+    from specdec.prophets.model import ModelProphet
+    from specdec.prophets.ngram import NgramProphet
+    from specdec.prophets.retrieval import RetrievalProphet
+    from specdec.rowprophets import (
+        BatchProphet,
+        Eagle3BatchProphet,
+        EarlyExitBatchProphet,
+        FeatureBatchProphet,
+        FirstBatchProphet,
+        LookupBatchProphet,
+        ModelBatchProphet,
+        RowsProphet,
+        TreeBatchProphet,
     )
     from specdec.rows import BatchLM, RowsLM
 
@@ -455,26 +455,26 @@ def _new_engine(decoder: Any, slots: int) -> Any:
     # a plain Llama on the lean path scores its rows in one batched pass; any other model
     # (transformers, a toy) row by row through views of its own (specdec.rows)
     target: BatchLM = decoder.target.rows.view(slots) if lean else RowsLM(decoder.target, slots)
-    parts: list[BatchDrafter] = []
-    for d in decoder.drafters:
-        if isinstance(d, NgramDrafter | RetrievalDrafter):
-            parts.append(LookupBatchDrafter(d))
-        elif isinstance(d, LayerSkipDrafter) and d.target is decoder.target:  # layerskip, kangaroo
-            parts.append(EarlyExitBatchDrafter(target, d))
-        elif isinstance(d, FeatureDrafter):
-            parts.append(FeatureBatchDrafter(d))
+    parts: list[BatchProphet] = []
+    for d in decoder.prophets:
+        if isinstance(d, NgramProphet | RetrievalProphet):
+            parts.append(LookupBatchProphet(d))
+        elif isinstance(d, LayerSkipProphet) and d.target is decoder.target:  # layerskip, kangaroo
+            parts.append(EarlyExitBatchProphet(target, d))
+        elif isinstance(d, FeatureProphet):
+            parts.append(FeatureBatchProphet(d))
         elif isinstance(d, Eagle3Prophet) and lean:
-            parts.append(Eagle3BatchDrafter(d.runtime.view(slots)))
-        elif isinstance(d, ModelDrafter) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
-            parts.append(ModelBatchDrafter(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
+            parts.append(Eagle3BatchProphet(d.runtime.view(slots)))
+        elif isinstance(d, ModelProphet) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
+            parts.append(ModelBatchProphet(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
                                                       int8=d.lm.int8, act_dtype=d.lm.act_dtype)))
-        elif isinstance(d, ModelDrafter):  # any other draft model: row by row
-            parts.append(ModelBatchDrafter(RowsLM(d.lm, slots), d.name))
+        elif isinstance(d, ModelProphet):  # any other draft model: row by row
+            parts.append(ModelBatchProphet(RowsLM(d.lm, slots), d.name))
         else:  # a prophet registered without a batched path: row by row, a view of it per slot
-            parts.append(RowsDrafter(d, decoder.target, slots))
-    drafter: BatchDrafter | None = parts[0] if len(parts) == 1 else None
+            parts.append(RowsProphet(d, decoder.target, slots))
+    prophet: BatchProphet | None = parts[0] if len(parts) == 1 else None
     if len(parts) > 1 and decoder.multi == "tree":  # a token tree per row (feature prophets included)
-        drafter = TreeBatchDrafter(parts)  # type: ignore[arg-type]
+        prophet = TreeBatchProphet(parts)  # type: ignore[arg-type]
     elif len(parts) > 1:
-        drafter = FirstBatchDrafter(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
-    return BatchEngine(target, drafter, decoder.eos_token_ids, decoder.tokenizer)
+        prophet = FirstBatchProphet(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
+    return BatchEngine(target, prophet, decoder.eos_token_ids, decoder.tokenizer)

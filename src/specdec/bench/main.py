@@ -25,10 +25,10 @@ from specdec.bench.roofline import roofline, roofline_line
 from specdec.bench.runner import Config, Run, Runner, hf_generate_fn, interleaved, measure_costs
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, BenchPrompt, build_suite
-from specdec.defaults import cpu_model, default_drafter_for, default_target, display_name
-from specdec.drafters.model import ModelDrafter
+from specdec.defaults import cpu_model, default_prophet_for, default_target, display_name
 from specdec.errors import SpecdecError
 from specdec.gguf import is_alias
+from specdec.prophets.model import ModelProphet
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations
 
@@ -39,20 +39,20 @@ def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     if greedy:
         peers.append(Config("hf prompt-lookup", "hf-lookup", k=10))
     if quick:
-        mine = [Config(f"drafter K={k}", "ours", "default", k=k)]
+        mine = [Config(f"prophet K={k}", "ours", "default", k=k)]
         if greedy:
             mine.append(Config("ngram", "ours", "ngram", k=8))
         return base + mine + peers
     peers.insert(2, Config("hf assisted (defaults)", "hf-assisted", k=0))
-    mine = [Config(f"drafter K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
-    mine += [Config("drafter adaptive", "ours", "default", "adaptive", k=k),
-             Config("drafter confidence", "ours", "default", "confidence", k=8),
-             Config("drafter optimal", "ours", "default", "optimal", k=k),
+    mine = [Config(f"prophet K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
+    mine += [Config("prophet adaptive", "ours", "default", "adaptive", k=k),
+             Config("prophet confidence", "ours", "default", "confidence", k=8),
+             Config("prophet optimal", "ours", "default", "optimal", k=k),
              Config("ngram", "ours", "ngram", k=8),
              Config("retrieval", "ours", "retrieval", k=6),
              Config("layerskip:auto", "ours", "layerskip", k=3),
-             Config("drafter+ngram tree", "ours", "default+ngram", k=k),
-             Config("drafter+ngram best", "ours", "default+ngram", k=k, multi="best")]
+             Config("prophet+ngram tree", "ours", "default+ngram", k=k),
+             Config("prophet+ngram best", "ours", "default+ngram", k=k, multi="best")]
     return base + mine + peers
 
 
@@ -83,22 +83,22 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     return base + mine + peers
 
 
-def _draft_spec(spec: str, drafter_path: str) -> str:
-    return "+".join(drafter_path if p == "default" else p for p in spec.split("+"))
+def _draft_spec(spec: str, prophet_path: str) -> str:
+    return "+".join(prophet_path if p == "default" else p for p in spec.split("+"))
 
 
-def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, drafter: str | None,
+def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, prophet: str | None,
                 dtype: torch.dtype | None = None, device: str = "cpu") -> Runner:
     from specdec.api import load
-    from specdec.defaults import bundled_drafter, default_target
+    from specdec.defaults import bundled_prophet, default_target
 
     target = target or default_target()
-    drafter = drafter or bundled_drafter()
+    prophet = prophet or bundled_prophet()
     runner = Runner(settings)
     plain = None
     for cfg in configs:
         if cfg.kind == "ours":
-            draft = cfg.draft if cfg.as_given else _draft_spec(cfg.draft, drafter)
+            draft = cfg.draft if cfg.as_given else _draft_spec(cfg.draft, prophet)
             dec = load(target, draft=draft, policy=cfg.policy, draft_tokens=(cfg.k or None) if cfg.as_given else cfg.k,
                        dtype=dtype, multi=cfg.multi, device=device)
             runner.decoders[cfg.name] = dec
@@ -113,7 +113,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
             from transformers import AutoModelForCausalLM
 
             # its own copy: transformers keeps schedule state on the assistant's generation config
-            draft_model = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).to(model.device).eval()
+            draft_model = AutoModelForCausalLM.from_pretrained(prophet, dtype=torch.float32).to(model.device).eval()
             if cfg.k:  # K fixed as ours; k=0 keeps transformers' defaults (20, confidence threshold 0.4)
                 draft_model.generation_config.num_assistant_tokens = cfg.k
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
@@ -162,7 +162,7 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     configs += getattr(args, "peer_configs", [])
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, settings, args.target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
+    runner = load_runner(configs, settings, args.target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),
                          getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     tok = plain.tokenizer
@@ -177,11 +177,11 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     # warm-up: every configuration once on the first prompt, not recorded
     for cfg in configs:
         runner.run(cfg, prompt_ids[0], seed=0)
-    ours = [c for c in configs if c.kind == "ours" and runner.decoders[c.name].drafters]
-    main = next((c for c in ours if c.name.startswith(("drafter K=", "eagle K="))), ours[0] if ours else configs[0])
-    first = runner.decoders[main.name].drafters[0] if main in ours else None
-    drafter_lm = first.lm if isinstance(first, ModelDrafter) else None  # c of a model drafter, measured apart
-    costs = measure_costs(plain.target, drafter_lm, prompt_ids[0], ks=[1, 2, 3, 4, 6, 8])  # type: ignore[arg-type]
+    ours = [c for c in configs if c.kind == "ours" and runner.decoders[c.name].prophets]
+    main = next((c for c in ours if c.name.startswith(("prophet K=", "eagle K="))), ours[0] if ours else configs[0])
+    first = runner.decoders[main.name].prophets[0] if main in ours else None
+    prophet_lm = first.lm if isinstance(first, ModelProphet) else None  # c of a model prophet, measured apart
+    costs = measure_costs(plain.target, prophet_lm, prompt_ids[0], ks=[1, 2, 3, 4, 6, 8])  # type: ignore[arg-type]
     tag = "greedy" if greedy else "sampling"
     total = len(configs) * len(prompts) * args.repeats
     with Progress(console=console, transient=True) as bar:
@@ -216,7 +216,7 @@ def _roofline(runner: Runner, configs: list[Config]) -> dict[str, Any]:
     """The roofline of the first speculative configuration's decoder (its target and
     prophets), else of plain decoding's (`specdec.bench.roofline`)."""
     ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
-    return roofline(next((d for d in ours if d.drafters), runner.decoders["plain"]))
+    return roofline(next((d for d in ours if d.prophets), runner.decoders["plain"]))
 
 
 def run_bench(args: Any) -> dict[str, Any]:
@@ -228,7 +228,7 @@ def run_bench(args: Any) -> dict[str, Any]:
     for flag, attr in (("--questions", "questions"), ("--per-task", "per_task"), ("--draft", "draft")):
         if getattr(args, attr, None) is not None:
             raise SpecdecError(f"{flag} goes with --suite spec-bench (the other suites choose prophets with "
-                               "--configs and --drafter)")
+                               "--configs and --prophet)")
     args.peer_configs = check_peers(getattr(args, "peers", None), args.target or default_target())
     console = Console(stderr=True)
     torch.manual_seed(0)
@@ -277,7 +277,7 @@ def run_bench(args: Any) -> dict[str, Any]:
         if "peers" in res:
             console.print(peers_markdown(res["peers"], res["target_weights"]), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
-    bf16 = "computes bf16 natively" if report["machine"]["native_bf16"] else "no native bf16 (fp32 drafters)"
+    bf16 = "computes bf16 natively" if report["machine"]["native_bf16"] else "no native bf16 (fp32 prophets)"
     console.print(f"machine: {report['machine']['cpu']}, {bf16}")
     console.print(f"wrote bench.json, bench.md and plots to {out_dir} in {time.perf_counter() - t0:.0f}s")
     return report
@@ -340,7 +340,7 @@ def specbench_configs(target: str, drafts: list[str]) -> list[Config]:
     (auto policy, the target's K, auto multi): "default" is the target's shipped prophets."""
     out = [Config("plain", "ours"), Config("plain (again)", "ours")]
     for spec in drafts:
-        name = f"default ({display_name(default_drafter_for(target))})" if spec == "default" else display_name(spec)
+        name = f"default ({display_name(default_prophet_for(target))})" if spec == "default" else display_name(spec)
         out.append(Config(name, "ours", spec, "auto", k=0, multi="auto", as_given=True))
     return out
 
@@ -387,7 +387,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     configs = specbench_configs(target, args.draft or ["default"]) + peer_configs
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, {}, target, args.drafter, resolve_dtype(getattr(args, "dtype", "default")),
+    runner = load_runner(configs, {}, target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),
                          getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     chat = bool(getattr(plain.tokenizer, "chat_template", None))

@@ -112,7 +112,7 @@ def roofline(decoder: Any, bandwidth: float | None = None) -> dict[str, Any]:
     b = target_step_bytes(decoder.target, costs.context)
     if b is not None:
         out["parts"].append(_part("target", b, bw, costs.t_plain))
-    for prophet in decoder.drafters:
+    for prophet in decoder.prophets:
         pb = prophet_step_bytes(prophet)
         measured = costs.t_draft_by.get(prophet.name)
         if pb is not None and measured:

@@ -32,7 +32,7 @@ class Config:
     k: int = 4
     multi: str = "tree"
     # draft, policy, K and multi go to specdec.load as a user passes them, K 0 meaning load's own
-    # default, so that draft "default" is the target's shipped prophets (not the bench's --drafter)
+    # default, so that draft "default" is the target's shipped prophets (not the bench's --prophet)
     as_given: bool = False
 
 
@@ -93,7 +93,7 @@ def hf_generate_fn(model: Any, settings: dict[str, Any], eos: list[int], **extra
     return run
 
 
-def measure_costs(target: HFCausalLM, drafter_lm: HFCausalLM | None, context: list[int], ks: list[int],
+def measure_costs(target: HFCausalLM, prophet_lm: HFCausalLM | None, context: list[int], ks: list[int],
                   repeats: int = 15) -> dict[str, float]:
     """c = t_draft(1) / t_target(1) and v(K) = t_target(K+1) / t_target(1), medians."""
 
@@ -113,8 +113,8 @@ def measure_costs(target: HFCausalLM, drafter_lm: HFCausalLM | None, context: li
     out = {"t_target_1": t1}
     for k in ks:
         out[f"v_{k}"] = timed(target, k + 1) / t1
-    if drafter_lm is not None:
-        out["t_draft_1"] = timed(drafter_lm, 1)
+    if prophet_lm is not None:
+        out["t_draft_1"] = timed(prophet_lm, 1)
         out["c"] = out["t_draft_1"] / t1
     return out
 

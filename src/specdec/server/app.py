@@ -87,13 +87,13 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     if config.api_key:
         app.add_middleware(ApiKeyAuth, key=config.api_key, open_paths={"/health"})
 
-    prophet = "+".join(d.name for d in decoder.drafters) or "none"
+    prophet = "+".join(d.name for d in decoder.prophets) or "none"
     policy = getattr(decoder.policy, "name", "fixed")  # the default; a request may ask for another
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec",
                 "specdec": {"target": display_name(decoder.target.name), "draft": prophet, "policy": policy,
-                            "prophets": [d.name for d in decoder.drafters],
+                            "prophets": [d.name for d in decoder.prophets],
                             "draft_tokens": scheduler.default_k, "context": decoder.target.max_length,
                             "max_draft_tokens": config.max_draft_tokens, "max_tokens": config.max_tokens,
                             "batching": scheduler.mode, "max_batch": config.max_batch,
@@ -105,7 +105,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         if opts.draft_tokens is not None and opts.draft_tokens > config.max_draft_tokens:
             raise ApiError(400, f"specdec.draft_tokens may be at most {config.max_draft_tokens} on this server",
                            "specdec.draft_tokens")
-        names = [d.name for d in decoder.drafters]
+        names = [d.name for d in decoder.prophets]
         chosen: list[str] | None = None  # all the loaded prophets
         if opts.draft not in (None, "default", "none"):
             chosen = opts.draft.split("+")
@@ -361,7 +361,7 @@ class _Shape:
             while isinstance(item, Round):
                 e = item.event
                 self.completion_tokens += len(e.committed)
-                extra = {"round": e.index, "prophet": e.drafter, "drafted": item.drafted_text, "drafted_ids": e.drafted,
+                extra = {"round": e.index, "prophet": e.prophet, "drafted": item.drafted_text, "drafted_ids": e.drafted,
                          "accepted": e.accepted, "next_kind": e.next_kind, "next_token": item.next_text,
                          "committed": len(e.committed), "draft_ms": round(e.draft_s * 1e3, 3),
                          "target_ms": round(e.target_s * 1e3, 3), "start_ms": round(e.start * 1e3, 3),

@@ -181,7 +181,7 @@ class Scheduler:
         """Before serving: measure the batched step's costs at every batch-size bucket when
         the policy chooses K from measured costs, so that the first requests of each size
         do not wait for it. Returns the seconds it took (0 when there is nothing to do)."""
-        if self.engine.drafter is None or not getattr(self.decoder.policy, "needs_costs", False) \
+        if self.engine.prophet is None or not getattr(self.decoder.policy, "needs_costs", False) \
                 or self.default_k < 1:
             return 0.0
         t0 = time.perf_counter()
@@ -306,7 +306,7 @@ class Scheduler:
                 break  # it waits (first come, first served) until running rows free enough memory
             stream = self._pending.popleft()
             job = stream.job
-            k = 0 if job.plain or self.engine.drafter is None else \
+            k = 0 if job.plain or self.engine.prophet is None else \
                 (job.draft_tokens or self.decoder.policy.k0)
             try:
                 req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,

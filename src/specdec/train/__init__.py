@@ -1,1 +1,1 @@
-"""Reproducible pipeline for the bundled demo pair: corpus, tokenizer, target, drafters."""
+"""Reproducible pipeline for the bundled demo pair: corpus, tokenizer, target, prophets."""

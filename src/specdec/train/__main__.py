@@ -1,4 +1,4 @@
-"""python -m specdec.train: the whole bundled-pair pipeline (prepare, target, drafters)."""
+"""python -m specdec.train: the whole bundled-pair pipeline (prepare, target, prophets)."""
 
 import sys
 from pathlib import Path
@@ -10,4 +10,4 @@ if __name__ == "__main__":
     work = Path(".cache/bundled")
     prepare(cfg, work)
     train_target(cfg, work, Path("models/target"))
-    distill(cfg, work, Path("models/target"), Path("models/drafter"), data_out_dir=work / "drafter-data")
+    distill(cfg, work, Path("models/target"), Path("models/prophet"), data_out_dir=work / "prophet-data")

@@ -1,4 +1,4 @@
-"""Training the EAGLE-3-style prophet (specdec.drafters.eagle3) on the broad
+"""Training the EAGLE-3-style prophet (specdec.prophets.eagle3) on the broad
 self-distillation shards (specdec.train.magpie: the target's answers with, at every
 position, its last feature and the outputs of the fused layers).
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.eagle3 import Eagle3Net, save_eagle3
+from specdec.prophets.eagle3 import Eagle3Net, save_eagle3
 
 
 @dataclass
@@ -265,9 +265,9 @@ def compare(data_dir: Path, eagle3: Path, eagle: Path, steps: int = 4, max_len: 
     agreement (the prophet's argmax == the target's argmax over the full vocabulary) and the
     mean of sum_x min(p, q) at T=1 (the expected acceptance of a drafted token), for the
     eagle3 prophet and the residual-MLP eagle, on the same positions."""
-    from specdec.drafters.eagle3 import load_eagle3
-    from specdec.drafters.feature import load_head
     from specdec.fastllama import LlamaWeights
+    from specdec.prophets.eagle3 import load_eagle3
+    from specdec.prophets.feature import load_head
     from specdec.wiring import load_pretrained
 
     model, _ = load_pretrained(target, torch.float32)

@@ -1,7 +1,7 @@
-"""Figures for the model card: held-out loss of each model, and each drafter's greedy and
+"""Figures for the model card: held-out loss of each model, and each prophet's greedy and
 temperature-1 acceptance rate against the target on held-out prompts, and c.
 
-    python -m specdec.train.evaluate models/target models/drafter .cache/bundled/drafter-data
+    python -m specdec.train.evaluate models/target models/prophet .cache/bundled/prophet-data
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def step_time(model: Any, context: list[int], repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def evaluate(target_path: str, drafter_paths: list[str], prompts: int = 4, max_new_tokens: int = 64,
+def evaluate(target_path: str, prophet_paths: list[str], prompts: int = 4, max_new_tokens: int = 64,
              k: int = 4) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,7 +58,7 @@ def evaluate(target_path: str, drafter_paths: list[str], prompts: int = 4, max_n
     report: dict[str, Any] = {"target": {"path": target_path, "heldout_loss": heldout_loss(target, windows),
                                          "parameters": sum(p.numel() for p in target.parameters()),
                                          "step_ms": 1e3 * step_time(target, ctx)}}
-    for path in drafter_paths:
+    for path in prophet_paths:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         entry: dict[str, Any] = {"heldout_loss": heldout_loss(model, windows),
                                  "parameters": sum(p.numel() for p in model.parameters()),

@@ -1,4 +1,4 @@
-"""Training feature prophets (specdec.drafters.feature) on self-distillation shards.
+"""Training feature prophets (specdec.prophets.feature) on self-distillation shards.
 
 The data are the target's own answers with its hidden state at every position
 (specdec.train.selfdistill). A training example starts at an answer position t and
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.feature import FeatureHead, save_head
+from specdec.prophets.feature import FeatureHead, save_head
 
 
 @dataclass
@@ -220,7 +220,7 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
         best, best_score, best_step = state.get("best"), list(state.get("best_score", [])), state.get("best_step", 0)
         log(f"{kind}: resumed at step {step} ({elapsed / 60:.1f} min done)")
     elif cfg.get("init"):  # warm start from a shipped prophet of the same shape (its int8 weights)
-        from specdec.drafters.feature import load_head
+        from specdec.prophets.feature import load_head
 
         init, _, _ = load_head(Path(str(cfg["init"])))
         head.load_state_dict(init.state_dict())

@@ -1,4 +1,4 @@
-"""Training loops for the bundled pair: a target on the data, a drafter on the data or
+"""Training loops for the bundled pair: a target on the data, a prophet on the data or
 distilled from a target (forward KL on the target's distributions).
 
 Every loop is bounded by wall time (the schedule is a function of elapsed time, so a

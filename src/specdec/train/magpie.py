@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from specdec.batch import BatchLlama
 from specdec.data.tasks import over_passage, passage_requests, task_prompts
-from specdec.drafters.eagle3 import fused_layers
 from specdec.fastllama import LlamaWeights
+from specdec.prophets.eagle3 import fused_layers
 from specdec.train.selfdistill import answer_into_shards, chat_ids
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -239,7 +239,7 @@ def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size
         d = lm.embed.shape[1]
         return {"ids": [ids[i] + r[0] for i, r in zip(batch, rows, strict=True)],
                 "hidden": [r[1][:, :d].contiguous() for r in rows if r[1] is not None],
-                # the outputs of the fused layers (specdec.drafters.eagle3) at every position
+                # the outputs of the fused layers (specdec.prophets.eagle3) at every position
                 "fused": [r[1][:, d:].contiguous() for r in rows if r[1] is not None], "fused_layers": capture,
                 "prompt_len": [len(ids[i]) for i in batch],
                 "category": [prompts[i]["category"] for i in batch],

@@ -104,23 +104,23 @@ def train_target(cfg: dict[str, Any], work_dir: Path, out_dir: Path, minutes: fl
 def distill(cfg: dict[str, Any], work_dir: Path, target_dir: Path, out_dir: Path, data_out_dir: Path | None = None,
             data_minutes: float | None = None, distill_minutes: float | None = None,
             max_steps: int | None = None, log: Any = print) -> dict[str, Any]:
-    """Train the drafter on the data (warm start, also the data-only baseline), then
+    """Train the prophet on the data (warm start, also the data-only baseline), then
     distill it from the target on held-in text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    dcfg = dict(cfg["drafter"])
+    dcfg = dict(cfg["prophet"])
     train_ids = _tokens(work_dir, "train")
     model = make_llama(dcfg, len(tok), tok.eos_token_id)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"drafter: {n_params / 1e6:.2f}M parameters")
+    log(f"prophet: {n_params / 1e6:.2f}M parameters")
     windows = fixed_eval_windows(_tokens(work_dir, "heldout"), dcfg["seq_len"])
 
     s = loop_settings(dcfg, "data_minutes")
     s.minutes = data_minutes if data_minutes is not None else s.minutes
     s.max_steps = max_steps
-    data_state = run_loop(model, train_ids, windows, s, work_dir / "drafter-data.ckpt", "drafter (data)", log=log)
-    data_meta = {"kind": "drafter-data", "parameters": n_params, "steps": data_state["step"],
+    data_state = run_loop(model, train_ids, windows, s, work_dir / "prophet-data.ckpt", "prophet (data)", log=log)
+    data_meta = {"kind": "prophet-data", "parameters": n_params, "steps": data_state["step"],
                  "tokens": data_state["tokens"], "train_minutes": data_state["elapsed"] / 60,
                  "heldout_loss": data_state["heldout_loss"], "config": dcfg}
     if data_out_dir is not None:
@@ -132,10 +132,10 @@ def distill(cfg: dict[str, Any], work_dir: Path, target_dir: Path, out_dir: Path
     s.max_steps = None if max_steps is None else 2 * max_steps
     s.warmup_steps = 10
     s.lr = s.lr / 2
-    state = run_loop(model, train_ids, windows, s, work_dir / "drafter-distill.ckpt", "drafter (distill)",
+    state = run_loop(model, train_ids, windows, s, work_dir / "prophet-distill.ckpt", "prophet (distill)",
                      teacher=teacher, log=log)
     ev = heldout_loss(model, windows)
-    meta = {"kind": "drafter-distilled", "parameters": n_params, "teacher": str(target_dir),
+    meta = {"kind": "prophet-distilled", "parameters": n_params, "teacher": str(target_dir),
             "data_steps": data_state["step"], "distill_steps": state["step"], "distill_tokens": state["tokens"],
             "train_minutes": (data_state["elapsed"] + state["elapsed"]) / 60, "heldout_loss": ev,
             "data_only_heldout_loss": data_state["heldout_loss"], "config": dcfg}

@@ -1,4 +1,4 @@
-"""A timeline of one generation: for each round, the drafter's steps, the target's single
+"""A timeline of one generation: for each round, the prophet's steps, the target's single
 verification pass, and the tokens it produced (accepted / recovered / bonus)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def plot_timeline(events: Sequence[RoundEvent], out: str | Path, tokenizer: Any 
             ax_time.barh(1, (b - a) * 1e3, left=a * 1e3, color=COLORS["draft"], edgecolor="none")
         t0, t1 = e.target_span
         ax_time.barh(0, (t1 - t0) * 1e3, left=t0 * 1e3, color=COLORS["target"], edgecolor="white")
-    ax_time.set_yticks([0, 1], ["target (verify)", "drafter"])
+    ax_time.set_yticks([0, 1], ["target (verify)", "prophet"])
     ax_time.set_xlabel("time (ms)")
     ax_time.set_title(title or "speculative decoding timeline")
     # Bottom: one row per round, one cell per token proposed or produced.

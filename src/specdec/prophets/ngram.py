@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, span
+from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, span
 from specdec.sampling import SamplingParams
 
 
@@ -45,7 +45,7 @@ def lookup_reference(context: np.ndarray, k: int, n_max: int, n_min: int) -> lis
     return []
 
 
-class NgramDrafter(FeatureBlind):
+class NgramProphet(FeatureBlind):
     vocab_size: int | None = None
 
     # A one-token match predicts little in real text (measured on SmolLM2's answers: acceptance

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specdec.defaults import cache_dir
-from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, span
+from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, span
 from specdec.sampling import SamplingParams
 
 WIDTH = 8  # tokens the suffix array is sorted by; longer matches are not distinguished
@@ -104,7 +104,7 @@ class Datastore:
         return int(values[best]), int(counts[best])
 
 
-class RetrievalDrafter(FeatureBlind):
+class RetrievalProphet(FeatureBlind):
     vocab_size: int | None = None
 
     def __init__(self, store: Datastore, min_match: int = 2, min_count: int = 1, name: str = "retrieval") -> None:

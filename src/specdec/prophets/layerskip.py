@@ -1,7 +1,7 @@
 """Self-speculation by early exit: the target drafts for itself with only its first L
 layers and its own final norm and head. No second model.
 
-The drafter shares the target's KV cache: layers 0..L-1 already hold the committed prefix,
+The prophet shares the target's KV cache: layers 0..L-1 already hold the committed prefix,
 so drafting never re-reads the prompt. The target's `early_exit` writes the draft's entries
 past the committed tokens and `end_early_exit` drops them before the target verifies,
 which keeps the cache invariant (see lm.py and fastllama.py for the two cache kinds).
@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
-from specdec.drafters.feature import FeatureHead, full_vocab_logits
 from specdec.lm import sync
+from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
+from specdec.prophets.feature import FeatureHead, full_vocab_logits
 from specdec.sampling import SamplingParams
 
 
-class LayerSkipDrafter(FeatureBlind):
+class LayerSkipProphet(FeatureBlind):
     def __init__(self, target: Any, layers: int) -> None:
         full = target.n_layers
         if not 1 <= layers < full:
@@ -56,20 +56,20 @@ class LayerSkipDrafter(FeatureBlind):
     def reset(self) -> None:
         pass
 
-    def for_request(self, target: Any) -> LayerSkipDrafter:
+    def for_request(self, target: Any) -> LayerSkipProphet:
         """Early exit through the request's own view of the target (its cache)."""
         other = copy.copy(self)
         other.target = target
         return other
 
 
-class AdaptedExitDrafter(LayerSkipDrafter):
+class AdaptedExitProphet(LayerSkipProphet):
     """Early exit with a trained adapter (after Kangaroo): the target's first L layers read
     each drafted token, a small network (FeatureHead kind "kangaroo", trained by
     `specdec distill` on the target's own answers) maps their output through the final
     norm to a guess of the last layer's feature, and the target's head cut to the draft
     vocabulary turns it into q (0 outside that vocabulary, which stays exact: see
-    specdec.drafters.feature). Only the adapter and the vocabulary are shipped."""
+    specdec.prophets.feature). Only the adapter and the vocabulary are shipped."""
 
     def __init__(self, target: Any, adapter: FeatureHead, vocab_ids: torch.Tensor, name: str,
                  dtype: torch.dtype = torch.float32) -> None:

@@ -1,13 +1,13 @@
 """Prophets for rows of the one loop: each drafts up to its own K for every row of a step.
 
-- `ModelBatchDrafter`: a small model on its own slots (`BatchLM`), autoregressively, for all rows
-  at once; `EarlyExitBatchDrafter`: the target's first layers in the rows' own target slots
+- `ModelBatchProphet`: a small model on its own slots (`BatchLM`), autoregressively, for all rows
+  at once; `EarlyExitBatchProphet`: the target's first layers in the rows' own target slots
   (layerskip, kangaroo).
-- `LookupBatchDrafter`: prompt lookup or retrieval per row (q one-hot); `RowsDrafter`: any other
+- `LookupBatchProphet`: prompt lookup or retrieval per row (q one-hot); `RowsProphet`: any other
   prophet, a view of it per row.
-- `FeatureBatchDrafter`: eagle or medusa from each row's last target feature.
-- `FirstBatchDrafter` (`--multi first`/`best`): per row, the first (or best recent) prophet that
-  proposes; `TreeBatchDrafter` (`--multi tree`): every prophet, merged into a token tree per row.
+- `FeatureBatchProphet`: eagle or medusa from each row's last target feature.
+- `FirstBatchProphet` (`--multi first`/`best`): per row, the first (or best recent) prophet that
+  proposes; `TreeBatchProphet` (`--multi tree`): every prophet, merged into a token tree per row.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Drafter
-from specdec.drafters.eagle3 import Eagle3Runtime
-from specdec.drafters.feature import FeatureDrafter, full_vocab_logits
-from specdec.drafters.layerskip import AdaptedExitDrafter, LayerSkipDrafter
-from specdec.drafters.ngram import NgramDrafter
 from specdec.policy import best_first
+from specdec.prophets.base import Prophet
+from specdec.prophets.eagle3 import Eagle3Runtime
+from specdec.prophets.feature import FeatureProphet, full_vocab_logits
+from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
+from specdec.prophets.ngram import NgramProphet
 from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot, keep_fused
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
@@ -34,8 +34,8 @@ from specdec.verify import DraftTree
 @dataclass
 class BatchDraft:
     tokens: list[list[int]]  # (B, k_b) drafted tokens per row
-    probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic drafter (one-hot q)
-    names: list[str | None] | None = None  # the prophet of each row's draft (None: the drafter's name)
+    probs: torch.Tensor | None  # (B, K, V) q per row, or None for a deterministic prophet (one-hot q)
+    names: list[str | None] | None = None  # the prophet of each row's draft (None: the prophet's name)
     one_hot: list[bool] | None = None  # rows whose q is one-hot (probs ignored there): greedy or lookup
     # multi="tree": each row's prophets' chains merged into one token tree (tokens then unused),
     # and each row's chains by prophet (a draft model's cache keeps what agrees with the path)
@@ -46,7 +46,7 @@ class BatchDraft:
         return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)
 
 
-class ModelBatchDrafter:
+class ModelBatchProphet:
     """A small model drafting autoregressively for every row at once, each up to its own k_b."""
 
     reads_features = False
@@ -62,7 +62,7 @@ class ModelBatchDrafter:
         _prefill(self.lm, reqs, self.name)
 
     def _cached(self, req: Request) -> int:
-        """Positions of the row's context already in the drafter's cache (drafting starts there)."""
+        """Positions of the row's context already in the prophet's cache (drafting starts there)."""
         return _cached(req, self.name)
 
     def _fed(self, req: Request, n: int) -> None:
@@ -85,7 +85,7 @@ class ModelBatchDrafter:
                 break
             logits = self._logits([_slot(reqs[b]) for b in live], [at[b] for b in live],
                                   [feeds[b] for b in live])  # (B_live, V)
-            q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"drafter '{self.name}'")[:, 0]
+            q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"prophet '{self.name}'")[:, 0]
             probs[live, j] = q
             greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
             for i, b in enumerate(live):
@@ -102,14 +102,14 @@ class ModelBatchDrafter:
         return BatchDraft(tokens, probs)
 
 
-class EarlyExitBatchDrafter(ModelBatchDrafter):
+class EarlyExitBatchProphet(ModelBatchProphet):
     """The target drafting for its own rows with its first L layers (layerskip), or through a
-    trained adapter after them (kangaroo, `AdaptedExitDrafter`). It reads and writes the
+    trained adapter after them (kangaroo, `AdaptedExitProphet`). It reads and writes the
     rows' own target slots: those layers' entries for the drafted positions sit past each
     row's committed tokens, where the verification pass overwrites them; the row's cached
     length never moves while drafting. No model and no cache of its own."""
 
-    def __init__(self, target: BatchLM, prophet: LayerSkipDrafter) -> None:
+    def __init__(self, target: BatchLM, prophet: LayerSkipProphet) -> None:
         super().__init__(target)
         self.target, self.prophet, self.name = target, prophet, prophet.name
         self.layers = prophet.layers
@@ -127,21 +127,21 @@ class EarlyExitBatchDrafter(ModelBatchDrafter):
     @torch.inference_mode()
     def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
         p, ones = self.prophet, [1] * len(slots)
-        if not isinstance(p, AdaptedExitDrafter):
+        if not isinstance(p, AdaptedExitProphet):
             return self.target.forward_features(slots, starts, feeds, ones, layers=self.layers)[0][:, 0]
         _, feature = self.target.forward_features(slots, starts, feeds, ones, layers=self.layers, head=False)
         sub = (p.adapter.adapt(feature[:, 0].to(p.dtype)) @ p.sub_head.T).float()  # (B', N)
         return full_vocab_logits(sub, p.vocab_ids, p.vocab_size or 0)  # (B', V)
 
 
-class LookupBatchDrafter:
+class LookupBatchProphet:
     """A lookup prophet for every row: one that drafts from the row's context alone, keeps no
-    state and no model (prompt lookup, `specdec.drafters.ngram`; retrieval from a datastore,
-    `specdec.drafters.retrieval`). Its drafts are deterministic: q is one-hot."""
+    state and no model (prompt lookup, `specdec.prophets.ngram`; retrieval from a datastore,
+    `specdec.prophets.retrieval`). Its drafts are deterministic: q is one-hot."""
 
     reads_features = False
 
-    def __init__(self, prophet: Drafter) -> None:
+    def __init__(self, prophet: Prophet) -> None:
         self.prophet, self.name = prophet, prophet.name
 
 
@@ -156,16 +156,16 @@ class LookupBatchDrafter:
                            for r, k in zip(reqs, ks, strict=True)], None)
 
 
-class RowsDrafter(LookupBatchDrafter):
-    """Any prophet (`specdec.drafters.base.Drafter`) for rows, one row after another: a view
+class RowsProphet(LookupBatchProphet):
+    """Any prophet (`specdec.prophets.base.Prophet`) for rows, one row after another: a view
     of it per cache slot (`for_request`: the same weights, state of its own), told what each
     row committed before it drafts, and the target's feature where it reads features. The
     one loop's adapter for a prophet registered without a batched path; its q is its own."""
 
-    def __init__(self, prophet: Drafter, target: Any, slots: int) -> None:
+    def __init__(self, prophet: Prophet, target: Any, slots: int) -> None:
         super().__init__(prophet)
         self.target, self.reads_features = target, prophet.reads_features
-        self.views: list[Drafter | None] = [None] * slots
+        self.views: list[Prophet | None] = [None] * slots
         # seconds per drafted token, as last seen (its cost: it may keep state of its own that
         # a timed call on placeholder rows would disturb)
         self.per_token = 0.0
@@ -203,15 +203,15 @@ class RowsDrafter(LookupBatchDrafter):
         return BatchDraft(tokens, probs, one_hot=[b not in q_rows for b in range(len(reqs))])
 
 
-class NgramBatchDrafter(LookupBatchDrafter):
-    """Prompt lookup per row (see specdec.drafters.ngram)."""
+class NgramBatchProphet(LookupBatchProphet):
+    """Prompt lookup per row (see specdec.prophets.ngram)."""
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
-        super().__init__(NgramDrafter(n_max, n_min))
+        super().__init__(NgramProphet(n_max, n_min))
 
 
-class FeatureBatchDrafter:
-    """A feature prophet (specdec.drafters.feature: eagle or medusa, sharing its heads) for
+class FeatureBatchProphet:
+    """A feature prophet (specdec.prophets.feature: eagle or medusa, sharing its heads) for
     every row at once. A row drafts from the target's feature at its last committed
     position, which the previous step's verification pass left in `req.feature`; a row
     without one (it just joined, or its text was cut) drafts nothing this step, and its
@@ -219,7 +219,7 @@ class FeatureBatchDrafter:
 
     reads_features = True
 
-    def __init__(self, prophet: FeatureDrafter) -> None:
+    def __init__(self, prophet: FeatureProphet) -> None:
         self.prophet, self.name = prophet, prophet.name
         self.vocab_size = int(prophet.vocab_size or 0)
 
@@ -240,7 +240,7 @@ class FeatureBatchDrafter:
             return BatchDraft(tokens, None)
         k_rows = [p.max_k(ks[b]) for b in rows]
         keep = _keep_drafting(reqs)
-        who = f"drafter '{self.name}'"
+        who = f"prophet '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.embed.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
@@ -249,7 +249,7 @@ class FeatureBatchDrafter:
             h = p.guess(h, h0, last, j)
             sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary (q is 0 elsewhere)
             check_logits(sub, who)
-            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureDrafter.propose picks greedily
+            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureProphet.propose picks greedily
             drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
             if drawing:  # generator's draws never depend on how long the rows beside it draft
                 q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
@@ -272,8 +272,8 @@ class FeatureBatchDrafter:
 
 
 
-class Eagle3BatchDrafter:
-    """The EAGLE-3-style prophet (specdec.drafters.eagle3) for every row: a row's true slots
+class Eagle3BatchProphet:
+    """The EAGLE-3-style prophet (specdec.prophets.eagle3) for every row: a row's true slots
     come from the target's fused features, which every target pass (prefill chunks and
     verification) leaves in `Request.fused` for the positions it committed; a row drafts
     once its slots reach its last committed position but one (right after its prompt is
@@ -350,7 +350,7 @@ class Eagle3BatchDrafter:
             return BatchDraft(tokens, None)
         k_rows = [ks[b] for b in rows]
         keep = _keep_drafting(reqs)
-        who = f"drafter '{self.name}'"
+        who = f"prophet '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=g.device) if sampled else None
         for j in range(1, max(k_rows) + 1):
@@ -386,7 +386,7 @@ class Eagle3BatchDrafter:
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
 
-class FirstBatchDrafter:
+class FirstBatchProphet:
     """Several prophets, the first in order that proposes something for a row drafts for it
     (`multi="first"`, e.g. prompt lookup where the context repeats, eagle elsewhere), or,
     with `best`, only the one with the best recent tokens per round in that row's request
@@ -394,7 +394,7 @@ class FirstBatchDrafter:
     and its own past rounds only, so it stays exact; the verifier sees one-hot q for a
     deterministic prophet's rows."""
 
-    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter],
+    def __init__(self, parts: Sequence[LookupBatchProphet | FeatureBatchProphet | ModelBatchProphet],
                  best: bool = False) -> None:
         if len({p.name for p in parts}) < len(parts):
             raise ValueError("each prophet among several needs a name of its own (a row keeps a cache per draft model)")
@@ -449,13 +449,13 @@ class FirstBatchDrafter:
 
 
 
-class TreeBatchDrafter:
+class TreeBatchProphet:
     """Several prophets, every one drafting for each row (`multi="tree"`): a row's chains are
     merged into one token tree (`specdec.verify.DraftTree`), scored in one pass with a tree
     mask and verified by recursive rejection sampling (`verify_tree`), exact at every
     temperature: each chain was drawn independently of the others, from its own q."""
 
-    def __init__(self, parts: Sequence[LookupBatchDrafter | FeatureBatchDrafter | ModelBatchDrafter]) -> None:
+    def __init__(self, parts: Sequence[LookupBatchProphet | FeatureBatchProphet | ModelBatchProphet]) -> None:
         if len({p.name for p in parts}) < len(parts):
             raise ValueError("each prophet in a tree needs a name of its own (a row keeps a cache per draft model)")
         self.parts = list(parts)
@@ -491,8 +491,8 @@ class TreeBatchDrafter:
 
 
 
-BatchDrafter = ModelBatchDrafter | LookupBatchDrafter | FeatureBatchDrafter | Eagle3BatchDrafter | FirstBatchDrafter | \
-    TreeBatchDrafter
+BatchProphet = ModelBatchProphet | LookupBatchProphet | FeatureBatchProphet | Eagle3BatchProphet | FirstBatchProphet | \
+    TreeBatchProphet
 TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
 
 
@@ -543,6 +543,6 @@ def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) ->
 
 
 
-__all__ = ["TREE", "BatchDraft", "BatchDrafter", "EarlyExitBatchDrafter", "Eagle3BatchDrafter", "FeatureBatchDrafter",
-           "FirstBatchDrafter", "LookupBatchDrafter", "ModelBatchDrafter", "NgramBatchDrafter", "RowsDrafter",
-           "TreeBatchDrafter"]
+__all__ = ["TREE", "BatchDraft", "BatchProphet", "EarlyExitBatchProphet", "Eagle3BatchProphet", "FeatureBatchProphet",
+           "FirstBatchProphet", "LookupBatchProphet", "ModelBatchProphet", "NgramBatchProphet", "RowsProphet",
+           "TreeBatchProphet"]

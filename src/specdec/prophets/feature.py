@@ -10,7 +10,7 @@ position, and the target's head turns h_t into p(x_{t+1}). A feature prophet reu
 - `kangaroo` (autoregressive over tokens, after Kangaroo's early exit with an adapter): the
   target's own first L layers read each drafted token (through the target's KV cache, as
   in layerskip), and a small adapter maps their output, through the final norm, to a
-  guess of the last layer's feature at the same position (specdec.drafters.layerskip).
+  guess of the last layer's feature at the same position (specdec.prophets.layerskip).
 The networks are residual MLPs; the embedding and the head are the target's own, handed
 in at construction (nothing is copied into the prophet's file).
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.drafters.base import Draft, KeepDrafting, span
+from specdec.prophets.base import Draft, KeepDrafting, span
 from specdec.sampling import SamplingParams, draw, logits_to_probs
 
 
@@ -139,7 +139,7 @@ def is_feature_prophet(path: str) -> bool:
     return (Path(path) / "prophet.json").is_file()
 
 
-class FeatureDrafter:
+class FeatureProphet:
     """Drafts from the target's last feature. The engine hands it the feature of the
     position before the last committed token after each round (`see_feature`); with no
     fresh feature (the first round, or after text was cut by a stop string) it proposes
@@ -166,13 +166,13 @@ class FeatureDrafter:
         self._feature: torch.Tensor | None = None
         self._position = -1
 
-    def fresh(self) -> FeatureDrafter:
+    def fresh(self) -> FeatureProphet:
         """The same heads (shared, read-only) with state of its own, for another request."""
         other = copy.copy(self)
         other.reset()
         return other
 
-    def for_request(self, target: Any) -> FeatureDrafter:
+    def for_request(self, target: Any) -> FeatureProphet:
         return self.fresh()
 
     def see_feature(self, position: int, feature: torch.Tensor) -> None:
@@ -219,7 +219,7 @@ class FeatureDrafter:
         h0 = h = self._feature.to(self.dtype)
         token = context[-1]
         rows = []
-        who = f"drafter '{self.name}'"
+        who = f"prophet '{self.name}'"
         for step in range(1, self.max_k(k) + 1):
             t0 = span()
             h = self.guess(h, h0, token, step)

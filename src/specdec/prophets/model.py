@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
 from specdec.lm import CausalLM, sync
+from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
 from specdec.sampling import SamplingParams
 
 
-class ModelDrafter(FeatureBlind):
+class ModelProphet(FeatureBlind):
     def __init__(self, lm: CausalLM, name: str | None = None) -> None:
         self.lm = lm
         self.name = name or lm.name
@@ -20,7 +20,7 @@ class ModelDrafter(FeatureBlind):
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        # Room in the drafter's own context: it scores positions up to len(context) + k - 2.
+        # Room in the prophet's own context: it scores positions up to len(context) + k - 2.
         k = min(k, self.lm.max_length - len(context) + 1)
         # The first step feeds every committed token the cache lacks (one, or two after a
         # bonus token), so the cache catches up without re-running what it has seen.
@@ -34,8 +34,8 @@ class ModelDrafter(FeatureBlind):
     def committed(self, context: Sequence[int]) -> None:
         sync(self.lm, context)
 
-    def for_request(self, target: Any) -> ModelDrafter:
-        return ModelDrafter(self.lm.fresh(), self.name)  # its own cache over the same weights
+    def for_request(self, target: Any) -> ModelProphet:
+        return ModelProphet(self.lm.fresh(), self.name)  # its own cache over the same weights
 
     def reset(self) -> None:
         self.lm.truncate(0)

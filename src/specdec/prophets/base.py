@@ -1,5 +1,5 @@
-"""The drafter protocol: propose up to k tokens (with q, or none for a deterministic
-drafter), then hear what was committed so that caches and indexes stay in step."""
+"""The prophet protocol: propose up to k tokens (with q, or none for a deterministic
+prophet), then hear what was committed so that caches and indexes stay in step."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from specdec.sampling import KeepDrafting, SamplingParams, draw, logits_to_probs
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # (len(tokens), V) q_1..q_k; None = deterministic (one-hot q)
-    drafter: str
+    prophet: str
     step_spans: list[tuple[float, float]] = field(default_factory=list)  # perf_counter spans, for the timeline
     forward_calls: int = 0
 
@@ -29,9 +29,9 @@ class Draft:
         return len(self.tokens)
 
 
-class Drafter(Protocol):
+class Prophet(Protocol):
     name: str
-    vocab_size: int | None  # None for drafters that are not models
+    vocab_size: int | None  # None for prophets that are not models
     reads_features: bool  # True: the engine calls see_feature(position, hidden) after each round
 
     def see_feature(self, position: int, feature: torch.Tensor) -> None:
@@ -51,14 +51,14 @@ class Drafter(Protocol):
         """Forget per-request state (caches, the prompt index)."""
         ...
 
-    def for_request(self, target: Any) -> Drafter:
+    def for_request(self, target: Any) -> Prophet:
         """This prophet for another request running on `target` (the request's own view of
         the target): the same weights, state of its own."""
         ...
 
 
 class FeatureBlind:
-    """For drafters that do not read the target's features."""
+    """For prophets that do not read the target's features."""
 
     reads_features = False
 
@@ -81,7 +81,7 @@ def span() -> float:
 def draft_autoregressively(step: Callable[[list[int]], torch.Tensor], feed: list[int], k: int, name: str,
                            params: SamplingParams, generator: torch.Generator | None,
                            keep_drafting: KeepDrafting | None, position: int = 0) -> Draft:
-    """The drafting loop shared by model-based drafters: step(ids) -> logits (V,) of the
+    """The drafting loop shared by model-based prophets: step(ids) -> logits (V,) of the
     last id; each drafted token is fed back; q is recorded for the verifier. position: the
     absolute position of the first drafted token (where coupled draws are keyed)."""
     draft = Draft([], None, name)
@@ -89,7 +89,7 @@ def draft_autoregressively(step: Callable[[list[int]], torch.Tensor], feed: list
     for j in range(k):
         t0 = span()
         logits = step(feed)  # (V,)
-        q = logits_to_probs(logits, params, who=f"drafter '{name}'")
+        q = logits_to_probs(logits, params, who=f"prophet '{name}'")
         token = draw(q, params, generator, position + j)
         draft.step_spans.append((t0, span()))
         draft.tokens.append(token)

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from specdec import load
 from specdec.check import certify
 from specdec.costmodel import expected_gain
-from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import NgramDrafter, lookup, lookup_reference
-from specdec.drafters.retrieval import WIDTH, Datastore, RetrievalDrafter
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
+from specdec.prophets.model import ModelProphet
+from specdec.prophets.ngram import NgramProphet, lookup, lookup_reference
+from specdec.prophets.retrieval import WIDTH, Datastore, RetrievalProphet
 from specdec.sampling import SamplingParams, sample
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
@@ -62,8 +62,8 @@ def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
     store = Datastore.build(tokens)
     store.save(tmp_path / "x.npz")
     store = Datastore.load(tmp_path / "x.npz")
-    drafter = RetrievalDrafter(store)
-    draft = drafter.propose([5, 1, 2], 3, SamplingParams(0), None)
+    prophet = RetrievalProphet(store)
+    draft = prophet.propose([5, 1, 2], 3, SamplingParams(0), None)
     assert draft.tokens == [3, 9, 1] and draft.probs is None
 
 
@@ -155,7 +155,7 @@ def plain_outputs(tiny_pair):
 
 
 @pytest.mark.parametrize("spec,multi", [(s, "tree") for s in SPECS] + [(s, "best") for s in SPECS if "+" in s])
-def test_every_drafter_is_greedy_exact(tiny_pair, plain_outputs, spec, multi):
+def test_every_prophet_is_greedy_exact(tiny_pair, plain_outputs, spec, multi):
     dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), draft_tokens=4, multi=multi)
     for prompt, want in plain_outputs.items():
         assert dec.generate(prompt, max_new_tokens=32, temperature=0).token_ids == want, prompt
@@ -228,31 +228,31 @@ def markov_corpus(lm, n, seed):
 
 
 @pytest.mark.parametrize("which", ["ngram", "retrieval", "ngram+model", "retrieval+ngram"])
-def test_deterministic_drafters_are_lossless(which):
+def test_deterministic_prophets_are_lossless(which):
     target = toy_target()
-    model = ModelDrafter(target.blend(MarkovLM.random(V, order=2, seed=22), 0.3, "model"))
+    model = ModelProphet(target.blend(MarkovLM.random(V, order=2, seed=22), 0.3, "model"))
     store = Datastore.build(markov_corpus(target, 4000, 0))
-    parts = {"ngram": NgramDrafter(3), "retrieval": RetrievalDrafter(store, min_match=1), "model": model}
-    drafters = [parts[p] for p in which.split("+")]
-    decoder = SpeculativeDecoder(target, drafters, policy=Policy(3))
+    parts = {"ngram": NgramProphet(3), "retrieval": RetrievalProphet(store, min_match=1), "model": model}
+    prophets = [parts[p] for p in which.split("+")]
+    decoder = SpeculativeDecoder(target, prophets, policy=Policy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0, top_p=0.9)
     assert result.passed, result
 
 
 @pytest.mark.parametrize("policy", [AdaptivePolicy(2), ConfidencePolicy(6, 0.6), OptimalPolicy(2)],
                          ids=["adaptive", "confidence", "optimal"])
-def test_policies_with_a_deterministic_drafter_are_lossless(policy):
+def test_policies_with_a_deterministic_prophet_are_lossless(policy):
     target = toy_target()
-    decoder = SpeculativeDecoder(target, NgramDrafter(3), policy=policy)
+    decoder = SpeculativeDecoder(target, NgramProphet(3), policy=policy)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=0.8)
     assert result.passed, result
 
 
 def test_layerskip_auto_picks_a_measured_layer_count(tiny_pair):
-    from specdec.drafters.layerskip import choose_layers
+    from specdec.prophets.layerskip import choose_layers
 
     dec = load(tiny_pair["target"], draft="layerskip")
-    layers = dec.drafters[0].layers
+    layers = dec.prophets[0].layers
     best, table = choose_layers(dec.target, list(range(1, 120)))
     assert 1 <= layers < 3 and [row["layers"] for row in table] == [1, 2]
     assert all(0 <= row["agreement"] <= 1 for row in table)

@@ -292,7 +292,7 @@ class Eagle3Runtime:
 class Eagle3Prophet:
     """What the decoder holds of an eagle3 prophet: its runtime (weights and the target's
     embedding, head and rotary tables). It drafts on the one loop only, for rows whose
-    target passes keep the fused features (`specdec.rowdrafters.Eagle3BatchDrafter`, one
+    target passes keep the fused features (`specdec.rowprophets.Eagle3BatchProphet`, one
     runtime view per engine); nothing of a request lives here."""
 
     reads_features = False

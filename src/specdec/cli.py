@@ -317,11 +317,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_batch=args.max_batch, max_queue=args.max_queue, timeout_s=args.timeout or None,
                           max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
                           max_draft_tokens=args.max_draft_tokens, prefill_chunk=args.prefill_chunk,
-                          kv_memory=_mebibytes(args.kv_memory))
+                          kv_memory=_mebibytes(args.kv_memory), prefix_cache_mb=args.prefix_cache)
     if config.max_batch < 1 or config.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if config.prefill_chunk < 1 or (config.kv_memory is not None and config.kv_memory < 1):
         raise ValueError("--prefill-chunk and --kv-memory must be >= 1")
+    if not config.prefix_cache_mb >= 0:
+        raise ValueError("--prefix-cache must be >= 0 MiB")
     if args.replicas is not None or args.autoscale is not None or args.address is not None:
         return _serve_replicas(args, config)
     decoder = _load(args)
@@ -455,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MiB of KV cache the batched requests may reserve together (each reserves what its prompt "
                          "and max_tokens can reach; more wait; one that could never fit gets a 400); default: half "
                          "of the memory available at startup")
+    sv.add_argument("--prefix-cache", type=float, default=0.0, metavar="MIB",
+                    help="MiB of prompt prefixes' keys and values to keep, so that a prompt that starts as an "
+                         "earlier one did (the next turn of a chat, a shared system prompt) is read from where they "
+                         "part, with the same answer (default 0: none)")
     sv.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="TOKENS",
                     help=f"prompt tokens prefilled per batched step, between the running rows' steps: the longest "
                          f"a stream waits for a joining prompt (default {PREFILL_CHUNK})")

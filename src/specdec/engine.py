@@ -116,6 +116,8 @@ class SpeculativeDecoder:
         self.policy = policy or Policy(5)
         self._costs: Costs | None = None  # measured once (calibrate) for whichever policy needs costs
         self.multi = multi
+        # MiB of prompt prefixes' keys and values its engines keep for later requests (0: none; specdec.prefix)
+        self.prefix_cache_mb = 0.0
         self.eos_token_ids = set(eos_token_ids)
         self._feature_readers = [d for d in self.prophets if d.reads_features]
         if self._feature_readers and not target.offers_hidden:

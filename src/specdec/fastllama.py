@@ -453,6 +453,25 @@ class BatchLlama(LlamaWeights):
         if k is not None and k.device.type == "cpu" and 2 * k.numel() * k.element_size() >= TRIM_BYTES:
             trim_heap()
 
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A slot's keys and values (layers, kv heads, capacity, head dim), or None when free
+        (positions past its request's committed length are stale)."""
+        k, v = self.k_slots[slot], self.v_slots[slot]
+        return None if k is None or v is None else (k, v)
+
+    def load_prefix(self, slot: int, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Write blocks of keys and values ((layers, kv heads, n, head dim) each, in order) at
+        positions 0.. of a slot (`specdec.prefix`). Returns the positions written."""
+        end = sum(k.shape[2] for k, _ in blocks)
+        k_slot, v_slot = self._reserve(slot, end)
+        at = 0
+        for k, v in blocks:
+            n = k.shape[2]
+            k_slot[:, :, at : at + n] = k
+            v_slot[:, :, at : at + n] = v
+            at += n
+        return end
+
     def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
         k_old, v_old = self.k_slots[slot], self.v_slots[slot]

@@ -43,6 +43,8 @@ class Request:
     # chunks as target passes computed them, not yet in that prophet's cache
     fused: list[torch.Tensor] = field(default_factory=list, repr=False)
     fused_from: int = 0
+    prefix_hit: int = 0  # leading prompt positions the prefix cache gave it (not read again)
+    prefix_stored: bool = False  # its prompt's blocks went to the prefix cache (or were there)
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
 

@@ -421,6 +421,11 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     if slots not in cache:
         cache[slots] = _new_engine(decoder, slots)
     engine = cache[slots]
+    mb = getattr(decoder, "prefix_cache_mb", 0.0)
+    if getattr(engine, "_prefix_mb", 0.0) != mb:  # the decoder's prompt prefix cache, one for its engines
+        decoder.__dict__["_prefix_cache"] = engine.enable_prefix_cache(int(mb * (1 << 20)),
+                                                                       decoder.__dict__.get("_prefix_cache"))
+        engine._prefix_mb = mb
     if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine

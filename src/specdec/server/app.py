@@ -59,11 +59,13 @@ class ServerConfig:
     warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens prefilled per batched step: the longest stall of a stream
     kv_memory: int | None = None  # bytes of batched KV cache requests may reserve (None: half of MemAvailable)
+    prefix_cache_mb: float = 0.0  # MiB of prompt prefixes' keys and values kept for later requests (specdec.prefix)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics()
+    decoder.prefix_cache_mb = config.prefix_cache_mb  # before the scheduler builds its engine
     scheduler = Scheduler(decoder, metrics, config.max_batch, config.max_queue, config.prefill_chunk,
                           config.kv_memory)
     tokenizer_lock = threading.Lock()  # a HF tokenizer may not be used from two threads at once

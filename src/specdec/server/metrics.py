@@ -8,6 +8,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specdec.events import RoundEvent
+from specdec.prefix import PrefixCache
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -40,8 +41,21 @@ class ServerMetrics:
                                  buckets=_SECONDS, registry=r)
         self.queue_wait = Histogram("specdec_queue_wait_seconds", "From arrival to the first round",
                                     buckets=_SECONDS, registry=r)
+        self.prefix_hits = Counter("specdec_prefix_cache_hit_tokens", "Prompt positions read from the prefix cache "
+                                   "instead of computed (--prefix-cache)", registry=r)
+        self.prefix_bytes = Gauge("specdec_prefix_cache_bytes", "Bytes of prompt prefixes' keys and values kept",
+                                  registry=r)
         self._lock = threading.Lock()
         self._drafted = self._accepted = 0
+        self._prefix_seen = 0
+
+    def prefix(self, cache: PrefixCache | None) -> None:
+        """After a step: what the engine's prefix cache saved and holds."""
+        if cache is None:
+            return
+        self.prefix_hits.inc(max(0, cache.stats.hit_tokens - self._prefix_seen))
+        self._prefix_seen = cache.stats.hit_tokens
+        self.prefix_bytes.set(cache.nbytes)
 
     def round(self, event: RoundEvent) -> None:
         drafted, accepted = len(event.drafted), event.accepted_out  # only tokens that reached the output

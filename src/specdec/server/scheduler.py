@@ -348,6 +348,7 @@ class Scheduler:
                                  End("error", f"generation failed: {type(e).__name__}: {e}", 500))
             return
         self.metrics.step_rows.observe(len(rows))
+        self.metrics.prefix(engine.prefix_cache)
         by_request = {id(r.request): r for r in rows}
         for event in events:
             self._post_step(engine, by_request[id(event.request)], event)

@@ -140,6 +140,7 @@ def test_the_server_answers_a_conversation_from_its_prefix_cache_as_without(tiny
                 if line.startswith("specdec_prefix_cache_hit_tokens_total"))
     assert hits == 64 + 128
     assert [g["choices"][0]["text"] for g in got] == want
+    assert [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got] == [0, 64, 128]  # OpenAI's field
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])

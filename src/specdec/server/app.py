@@ -314,9 +314,11 @@ class _Shape:
         self.prompt_tokens, self.created = prompt_tokens, int(time.time())
         self.completion_tokens = 0
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, stream: JobStream) -> dict[str, Any]:
+        """OpenAI's usage, with the prompt tokens read from the prefix cache (--prefix-cache)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": stream.cached_tokens}}
 
     async def collect(self, first: Round | End, stream: JobStream) -> dict[str, Any]:
         events, item = [], first
@@ -337,11 +339,11 @@ class _Shape:
         if item.reason == "deadline":
             stats["deadline_exceeded"] = True
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(),
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(stream),
                 "specdec": stats}
 
     def chunk(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None,
-              usage: dict[str, int] | None = None) -> str:
+              usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                                 "created": self.created, "model": self.model, "choices": choices}
         if self.include_usage:
@@ -379,7 +381,7 @@ class _Shape:
                 yield "data: [DONE]\n\n"
                 return
             if self.include_usage:
-                yield self.chunk([], None, self.usage())
+                yield self.chunk([], None, self.usage(stream))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

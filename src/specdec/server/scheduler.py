@@ -101,6 +101,7 @@ class JobStream:
         self.ended = False  # an End was received by the client side
         self.started: float | None = None
         self.first_token: float | None = None
+        self.cached_tokens = 0  # prompt positions its request took from the prefix cache
 
     def __aiter__(self) -> JobStream:
         return self
@@ -355,6 +356,7 @@ class Scheduler:
 
     def _post_step(self, engine: BatchEngine, row: _Row, e: StepEvent) -> None:
         req, stream = row.request, row.stream
+        stream.cached_tokens = req.prefix_hit
         if req.error is not None:  # the engine refused this row alone; the others went on
             self._finish_row(engine, row, End("error", req.error, 400))
             return

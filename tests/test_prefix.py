@@ -68,8 +68,9 @@ def test_bad_sizes_are_clear_errors():
         PrefixCache(0, 10)
     with pytest.raises(ValueError, match="size"):
         PrefixCache(4, -1)
-    with pytest.raises(ValueError, match="prefix_cache_mb"):
-        load("bundled", draft="none", prefix_cache_mb=-1)
+    for bad in (-1, float("inf"), float("nan"), True, "64"):
+        with pytest.raises(ValueError, match="prefix_cache_mb"):
+            load("bundled", draft="none", prefix_cache_mb=bad)
 
 
 # ----------------------------------------------------------------- the promise, end to end

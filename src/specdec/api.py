@@ -77,6 +77,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     prompt or document) is read from where they part (`specdec.prefix`: the same tokens as
     reading it whole; 0, the default: none). Lean-path targets only.
     """
+    prefix_mb = check_prefix_cache_mb(prefix_cache_mb)  # before anything loads
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
         draft = default_prophet_for(target_name)
@@ -99,14 +100,14 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
     decoder = SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))
-    decoder.prefix_cache_mb = check_prefix_cache_mb(prefix_cache_mb)
+    decoder.prefix_cache_mb = prefix_mb
     return decoder
 
 
 def check_prefix_cache_mb(mb: object) -> float:
     """A prefix cache size in MiB, checked: a number >= 0."""
-    if isinstance(mb, bool) or not isinstance(mb, int | float) or not mb >= 0:
-        raise ValueError(f"prefix_cache_mb must be a number of MiB >= 0, got {mb!r}")
+    if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < float("inf"):
+        raise ValueError(f"prefix_cache_mb must be a finite number of MiB >= 0, got {mb!r}")
     return float(mb)
 
 

@@ -322,8 +322,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if config.prefill_chunk < 1 or (config.kv_memory is not None and config.kv_memory < 1):
         raise ValueError("--prefill-chunk and --kv-memory must be >= 1")
-    if not config.prefix_cache_mb >= 0:
-        raise ValueError("--prefix-cache must be >= 0 MiB")
+    if not 0 <= config.prefix_cache_mb < float("inf"):
+        raise ValueError("--prefix-cache must be a finite number of MiB >= 0")
     if args.replicas is not None or args.autoscale is not None or args.address is not None:
         return _serve_replicas(args, config)
     decoder = _load(args)

@@ -86,9 +86,10 @@ def run_turns(decoder, prompts, **settings):
     return [decoder.generate(p, max_new_tokens=12, **settings).token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("prophet", ["none", "close", "ngram", "eagle"])
+@pytest.mark.parametrize("prophet", ["none", "close", "ngram", "eagle", "layerskip:1", "close+ngram"])
 def test_a_cached_prefix_gives_the_tokens_of_the_whole_prompt(tiny_pair, tiny_eagle, prophet):
-    draft = {"close": tiny_pair["close"], "eagle": tiny_eagle}.get(prophet, prophet)
+    draft = {"close": tiny_pair["close"], "eagle": tiny_eagle,
+             "close+ngram": tiny_pair["close"] + "+ngram"}.get(prophet, prophet)  # the last: a token tree
     plain = load(tiny_pair["target"], draft=draft, policy="fixed")
     cached = load(tiny_pair["target"], draft=draft, policy="fixed", prefix_cache_mb=16)
     prompts = turns(plain.target.vocab_size)

@@ -100,6 +100,16 @@ def test_a_cached_prefix_gives_the_tokens_of_the_whole_prompt(tiny_pair, tiny_ea
     assert stats.hits == 5 and stats.hit_tokens == 64 + 128 + 64 + 128 + 192, stats
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cached_prefix_gives_the_same_tokens_in_half_precision(tiny_pair, dtype):
+    plain = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", dtype=dtype)
+    cached = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", dtype=dtype, prefix_cache_mb=16)
+    prompts = turns(plain.target.vocab_size, 2)
+    for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        assert run_turns(cached, prompts, **settings) == run_turns(plain, prompts, **settings), settings
+    assert cached._one_loop().prefix_cache.stats.hit_tokens == 64 + 128 + 64 + 128 + 192
+
+
 def test_batched_rows_and_chunked_prefill_take_cached_prefixes_exactly(tiny_pair):
     plain = load(tiny_pair["target"], draft="ngram", policy="fixed")
     cached = load(tiny_pair["target"], draft="ngram", policy="fixed", prefix_cache_mb=16)

@@ -1,6 +1,12 @@
 """Batched speculative decoding: many requests in one step, each accepting its own number
 of drafted tokens (terms as in `specdec.verify`: accepted, recovered, bonus).
 
+Words, used one way throughout: a *round* is one request's draft -> verify -> commit (one
+`RoundEvent`); a *step* is one iteration of this loop, a round for every active row at once
+(one drafting pass, one target forward); a *prophet* is whatever drafts (a model, a lookup, a
+head, the target's early exit); a *draft* is what a prophet proposed; a *pass* is one forward
+of a model.
+
 - `BatchLlama` (`specdec.fastllama`): the one Llama path, with B cache slots. One forward
   scores a ragged batch (row b feeds n_b new tokens after start_b cached ones; rows are
   padded to the longest and masked). Keys and values are written by position, so entries

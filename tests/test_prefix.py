@@ -179,3 +179,38 @@ def test_a_decoders_engines_share_one_prefix_cache(tiny_pair):
     assert engine.prefix_cache is cached._one_loop().prefix_cache
     [again] = cached.generate_many([prompt], max_batch=4, max_new_tokens=4, temperature=0)
     assert again.token_ids == alone.token_ids and engine.prefix_cache.stats.hit_tokens == 128
+
+
+def test_concurrent_requests_under_a_small_cache_get_their_own_answers(tiny_pair):
+    """Load: 12 concurrent requests, three documents shared four times each, a cache that holds
+    only a few blocks (so blocks are evicted while rows take them): every answer is the plain
+    decoder's, the cache never exceeds its budget, and blocks were both reused and evicted."""
+    import threading
+
+    plain = load(tiny_pair["target"], draft="ngram", policy="fixed")
+    docs = [turns(plain.target.vocab_size, 20 + d)[1][:160] for d in range(3)]
+    prompts = [docs[i % 3] + [9 + i] * (2 + i % 5) for i in range(12)]
+    want = [plain.generate(p, max_new_tokens=8, temperature=0).text for p in prompts]
+    decoder = load(tiny_pair["target"], draft="ngram", policy="fixed")
+    block_mib = 64 * decoder.target.rows.position_bytes() / 2**20
+    config = ServerConfig(warm_up=False, prefix_cache_mb=5 * block_mib, max_batch=4)
+    answers: dict[int, httpx.Response] = {}
+    with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=120) as c:
+        def ask(i: int) -> None:
+            answers[i] = c.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 8, "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        metrics = c.get("/metrics").text
+    assert sorted(answers) == list(range(12))
+    assert [answers[i].json()["choices"][0]["text"] for i in range(12)] == want
+    from specdec.wiring import engine_for
+
+    cache = engine_for(decoder, 4).prefix_cache
+    assert cache.nbytes <= cache.max_bytes and cache.stats.evicted_blocks > 0 and cache.stats.hit_tokens > 0
+    assert sum(answers[i].json()["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(12)) == \
+        cache.stats.hit_tokens
+    assert f"specdec_prefix_cache_bytes {float(cache.nbytes)}" in metrics

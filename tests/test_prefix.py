@@ -121,12 +121,20 @@ def test_batched_rows_and_chunked_prefill_take_cached_prefixes_exactly(tiny_pair
     from specdec.wiring import engine_for
 
     engine = engine_for(cached, 2)
-    assert engine.prefix_cache.stats.hit_tokens == 4 * 128  # rows after the first two start at 128
+    # every row but the first starts at 128: the second waited for its turn to prefill, the first
+    # read the document meanwhile
+    assert engine.prefix_cache.stats.hit_tokens == 5 * 128
     engine.set_prefill_chunk(32)  # chunked prefill in blocks of 32: a cache of 32-position blocks
     assert engine.prefix_cache.block == 32 and len(engine.prefix_cache) == 0
     got = cached.generate_many(prompts, max_batch=2, max_new_tokens=10, temperature=0)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine.prefix_cache.stats.hit_tokens == 4 * 160
+    assert engine.prefix_cache.stats.hit_tokens == 5 * 160
+    # all six rows at once (one step admits them all): the first reads the document, the rest wait
+    # their turn to prefill and start past it
+    wide = load(tiny_pair["target"], draft="ngram", policy="fixed", prefix_cache_mb=16)
+    got = wide.generate_many(prompts, max_batch=8, max_new_tokens=10, temperature=0)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine_for(wide, 8).prefix_cache.stats.hit_tokens == 5 * 128
 
 
 def test_an_engine_that_reads_every_prompt_feature_keeps_no_prefixes(tiny_pair):

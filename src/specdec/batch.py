@@ -128,6 +128,7 @@ class BatchEngine:
         #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
         self._admit(active)
         self._store_prefixes(active)
+        self._take_prefixes(active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
             _prefill(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
@@ -412,6 +413,19 @@ class BatchEngine:
                 end = cache.usable(len(r.prompt))
                 cache.store(r.prompt, kv[0][:, :, :end], kv[1][:, :, :end])
 
+    def _take_prefixes(self, active: Sequence[Request]) -> None:
+        """Rows that hold a slot but have read nothing of their prompt yet take the longest prefix
+        the cache has for it: at admission, and again each step while they wait for their turn
+        to prefill (a row sharing a document with the row being prefilled starts past it)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for r in active:
+            if r.slot is not None and r.target_cached == 0 and cache.usable(len(r.prompt)) > 0:
+                n, blocks = cache.lookup(r.prompt)
+                if n:
+                    r.target_cached = r.prefix_hit = self.target.load_prefix(r.slot, blocks)  # type: ignore[attr-defined]
+
     def _admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]
         if not new:
@@ -422,10 +436,6 @@ class BatchEngine:
             r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, {}
             r.fused, r.fused_from = [], 0
             r.prefix_stored, r.prefix_hit = False, 0
-            if self.prefix_cache is not None:  # the longest prefix an earlier prompt left here
-                n, blocks = self.prefix_cache.lookup(r.prompt)
-                if n:
-                    r.target_cached = r.prefix_hit = self.target.load_prefix(r.slot, blocks)  # type: ignore[attr-defined]
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
                 r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
         if self.prophet is not None:  # a prophet's own model is small: its prompt goes in at once

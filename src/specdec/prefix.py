@@ -42,8 +42,8 @@ class _Block:
 
 @dataclass
 class PrefixStats:
-    lookups: int = 0  # requests that looked
-    hits: int = 0  # requests that found at least one block
+    lookups: int = 0  # looks (a row waiting to read its prompt looks again each step)
+    hits: int = 0  # looks that found at least one block (a row that finds some stops looking)
     hit_tokens: int = 0  # prompt positions not read again
     stored_blocks: int = 0
     evicted_blocks: int = 0

@@ -78,3 +78,33 @@ def test_serve_keeps_the_requested_prophet(monkeypatch, argv, draft):
 
     monkeypatch.setattr(cli, "_load", fake_load)
     assert main(argv) == 2 and seen == [draft]
+
+
+def test_chat_keeps_the_conversation_and_reads_each_turn_from_the_prefix_cache(monkeypatch, capsys):
+    """`specdec chat` on SmolLM2: a line per message, /reset, end of input ends; each answer is
+    what the library answers to the same conversation, and later turns start from the cache."""
+    import io
+
+    from specdec import load
+
+    system = "You are a terse assistant. Answer in a few words. " * 8
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a color.\n\n/reset\nName a color.\nAnd a fruit?\n"))
+    assert main(["chat", "--draft", "none", "--temperature", "0", "--max-new-tokens", "8", "--system", system]) == 0
+    out, err = capsys.readouterr()
+    answers = out.splitlines()
+    assert len(answers) == 3 and answers[0] == answers[1] and all(answers)
+    turns = [line for line in err.splitlines() if "from the prefix cache]" in line]
+    assert len(turns) == 3 and "(conversation reset)" in err
+    cached = [int(line.split(", ")[-1].split()[0]) for line in turns]
+    assert cached[0] == 0 and cached[1] >= 64 and cached[2] >= 64, turns  # the system message, then the turns
+    plain = load("smollm2", draft="none")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": answers[1]}, {"role": "user", "content": "And a fruit?"}]
+    assert plain.generate(messages=messages, max_new_tokens=8, temperature=0).text == answers[2]
+
+
+def test_chat_refuses_bad_input_in_one_line(tiny_pair, capsys):
+    assert main(["chat", "--prefix-cache", "-1"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert main(["chat", "--target", tiny_pair["target"], "--draft", "none"]) == 2
+    assert "no chat template" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def _load(args: argparse.Namespace) -> Any:
     return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
                 dtype=_dtype(args.dtype),
                 multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
-                backend=args.backend, device=args.device)
+                backend=args.backend, device=args.device, prefix_cache_mb=getattr(args, "prefix_cache", 0.0))
 
 
 def _stats_table(stats: Any, title: str) -> Any:
@@ -165,6 +165,60 @@ def _greedy_difference(args: argparse.Namespace) -> str:
         return (f" ({what} tokens differ from plain decoding: with a bfloat16 target on the transformers backend, "
                 "scoring several tokens in one pass rounds differently from scoring one at a time)")
     return f" ({what} tokens differ from plain decoding)"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation in the terminal: each line on stdin is the user's next message, the answer
+    streams to stdout, the whole conversation goes back each turn (read from the prefix cache up
+    to where it is new). `/reset` forgets it; an empty line is skipped; end of input ends."""
+    from specdec.api import check_prefix_cache_mb
+    from specdec.sampling import SAMPLING_MODES
+
+    check_prefix_cache_mb(args.prefix_cache)  # before the models load; one line, exit 2
+    if args.sampling not in SAMPLING_MODES:
+        raise SpecdecError(f"--sampling must be one of {', '.join(SAMPLING_MODES)}, got {args.sampling!r}")
+    decoder = _load(args)
+    if not getattr(decoder.tokenizer, "chat_template", None):
+        raise SpecdecError("this model's tokenizer has no chat template: use `specdec generate --raw`")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, sampling=args.sampling)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            messages = list(start)
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        cache = decoder.prefix_cache
+        before = cache.stats.hit_tokens if cache is not None else 0
+        prompt_tokens = len(decoder.chat_ids(messages))
+        events, answer = [], ""
+        for event in decoder.stream(messages=messages, **settings):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            answer += event.text
+            events.append(event)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": answer})
+        from specdec.stats import summarize
+
+        st = summarize(events)
+        cache = decoder.prefix_cache
+        cached = (cache.stats.hit_tokens if cache is not None else 0) - before
+        print(f"[{st.new_tokens} tokens, {st.tokens_per_s:.1f} tokens/s, {st.tokens_per_round:.2f} a round; "
+              f"prompt {prompt_tokens} tokens, {cached} from the prefix cache]", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -391,6 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "chat template, such as bundled)")
     g.add_argument("--timeline", default=None, help="write a picture of every round to this PNG")
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser("chat", help="a conversation in the terminal: a line on stdin per message, answers streamed")
+    _model_args(ch)
+    _sampling_args(ch)
+    ch.add_argument("--sampling", default="rejection", metavar="{rejection,coupled}",
+                    help="as for generate")
+    ch.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                    help=f"the most tokens an answer may have (default {MAX_NEW_TOKENS})")
+    ch.add_argument("--system", default=None, help="a system message that starts the conversation")
+    ch.add_argument("--prefix-cache", type=float, default=256.0, metavar="MIB",
+                    help="MiB of the conversation's keys and values kept between turns, so each turn reads only "
+                         "what is new, with the same answers (default 256; 0: none)")
+    ch.set_defaults(func=cmd_chat)
 
     c = sub.add_parser("check", help="statistical certificate that speculation leaves the distribution unchanged")
     _model_args(c)

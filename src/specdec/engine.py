@@ -200,6 +200,12 @@ class SpeculativeDecoder:
                       allowed, sampling)
         return req, Finish(self.tokenizer, stops)
 
+    @property
+    def prefix_cache(self) -> Any:
+        """The prompt prefix cache this decoder's engines share (`specdec.prefix.PrefixCache`),
+        or None: `prefix_cache_mb` is 0, or no request has run yet."""
+        return self.__dict__.get("_prefix_cache")
+
     # ----------------------------------------------------------------- a request
     def _checked(self, prompt: str | Sequence[int], max_new_tokens: int, draft_tokens: int | None,
                  stop: str | Sequence[str] | None, prophets: Sequence[str] | None, policy_name: str | None,

@@ -83,6 +83,53 @@ def test_policies_that_need_costs_read_them_stored_not_measured_again(tiny_pair,
     assert len(list((cache / "costs").glob("*.json"))) == 2
 
 
+def test_costs_measured_while_other_processes_ran_are_used_but_not_stored(tiny_pair, cache, monkeypatch):
+    from specdec import costmodel
+
+    monkeypatch.delenv("SPECDEC_STORE_COSTS_UNDER_LOAD")
+    busy = {"cores": 1.0}
+    monkeypatch.setattr(costmodel.OtherLoad, "cores", lambda self: busy["cores"])
+    first = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto")
+    first.generate("def f(", max_new_tokens=4, seed=0)
+    assert first.policy.costs is not None and first.policy.costs.t_plain > 0  # this decoder decides from them
+    assert not list((cache / "costs").glob("*.json"))  # but nothing is kept for later loads
+    busy["cores"] = 0.1  # a quiet machine: the next load measures again and stores
+    second = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto")
+    second.generate("def f(", max_new_tokens=4, seed=0)
+    assert len(list((cache / "costs").glob("*.json"))) == 1
+    busy["cores"] = 1.0  # stored costs are read, whatever the load now
+    third = load(tiny_pair["target"], draft=tiny_pair["close"], policy="auto")
+    third.calibrate = lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again"))
+    third.generate("def f(", max_new_tokens=4, seed=0)
+    assert third.policy.costs == second.policy.costs
+
+
+def test_other_load_counts_other_processes_and_not_this_one():
+    import subprocess
+    import sys
+    import time
+
+    from specdec.costmodel import OtherLoad, _cpu_seconds
+
+    before = _cpu_seconds()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.6:  # this process spins
+        pass
+    after = _cpu_seconds()
+    assert before is not None and after is not None
+    own, busy = after[1] - before[1], after[0] - before[0]
+    assert own > 0.45 and busy > own - 0.1  # the machine's busy time holds this process's own
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # the child has started spinning
+        load = OtherLoad()
+        time.sleep(1.0)  # this process idles while the child spins: about one core of others' time
+        assert load.cores() > 0.6
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def test_the_cli_gives_one_text_per_seed_for_the_optimal_policy(tiny_pair, cache, capfd):
     texts = []
     for _ in range(3):

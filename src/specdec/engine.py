@@ -17,6 +17,7 @@ request owns its row (cache slot, generator, policy); nothing of it lives here.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,7 +27,7 @@ import torch
 
 from specdec import layerloop
 from specdec.batch import BatchEngine
-from specdec.costmodel import Costs
+from specdec.costmodel import Costs, OtherLoad
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
@@ -39,6 +40,8 @@ from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
 
+log = logging.getLogger(__name__)
+MAX_OTHER_LOAD = 0.25  # cores other processes may use on average while step costs are measured for storing
 ONE_LOOP_SLOTS = 64  # rows of a decoder's own batched engine (interleaved streams, threads)
 
 
@@ -308,8 +311,8 @@ class SpeculativeDecoder:
         """What the step costs depend on: the models, prophets, K, precision, device and machine.
         The version changes when a step itself does (6: the blocks kernel's panels and the C++
         loop's attention on raw buffers; 7: eagle's head on the target's blocks; 8: the blocks kernel's
-        prefetch and register-blocked products of many rows), so that costs
-        stored before are measured again."""
+        prefetch and register-blocked products of many rows; 9: costs measured under load are no longer
+        stored, so those stored before may be such), so that costs stored before are measured again."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -317,7 +320,7 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        return {"version": 8, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 9, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "device": str(self.target.device),
@@ -337,7 +340,10 @@ class SpeculativeDecoder:
         the cache directory, keyed by `costs_key`: every decoder loaded later with the same
         settings on this machine decides from the same numbers, so a seed fixes the output
         of every policy across loads and processes. Delete the cache's costs/ folder (or call
-        `calibrate` and set `decoder.policy.costs`) to measure again."""
+        `calibrate` and set `decoder.policy.costs`) to measure again. Costs measured while other
+        processes used more than MAX_OTHER_LOAD cores on average (`OtherLoad`) are used by this
+        decoder only and not stored, so one busy moment does not set every later load's K
+        (SPECDEC_STORE_COSTS_UNDER_LOAD=1 stores them anyway: the tests, which run two at a time)."""
         return self._stored({}, self.calibrate)
 
     def stored_batch_costs(self, bucket: int, k_max: int, measure: Callable[[], Costs]) -> Costs:
@@ -359,7 +365,13 @@ class SpeculativeDecoder:
             return Costs.from_dict(json.loads(path.read_text())["costs"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # not measured yet (or unreadable): measure now
+        load = OtherLoad()
         costs = measure()
+        busy = load.cores()
+        if busy > MAX_OTHER_LOAD and not os.environ.get("SPECDEC_STORE_COSTS_UNDER_LOAD"):
+            # used by this decoder, not kept: the next load on a quieter machine measures again
+            log.info("step costs measured while other processes used %.2f cores: not stored", busy)
+            return costs
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

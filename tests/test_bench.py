@@ -23,6 +23,8 @@ def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
                  "--out", str(out), "--per-category", "1", "--max-new-tokens", "12"]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert {"machine", "results", "prompts", "command"} <= set(report)
+    assert report["machine"]["other_load_cores"] >= 0  # how busy the rest of the machine was, said in the report
+    assert "other processes used" in (out / "bench.md").read_text()
     greedy = report["results"][0]
     rows = {r["config"]: r for r in greedy["rows"]}
     assert {"plain", "plain (again)", "prophet K=4", "ngram", "hf plain", "hf assisted K=4",

@@ -23,6 +23,7 @@ from specdec.bench.report import (
 from specdec.bench.report import fmt as _f
 from specdec.bench.roofline import roofline, roofline_line
 from specdec.bench.runner import Config, Run, Runner, hf_generate_fn, interleaved, measure_costs
+from specdec.costmodel import OtherLoad
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, BenchPrompt, build_suite
 from specdec.defaults import cpu_model, default_prophet_for, default_target, display_name
@@ -138,12 +139,18 @@ def machine_info() -> dict[str, Any]:
 def machine_line(machine: dict[str, Any]) -> str:
     """The machine as the reports name it: processor, bf16, threads, GPU, versions."""
     gpu = f", GPU {machine['gpu']}" if "gpu" in machine else ""
+    busy = (f"; other processes used {machine['other_load_cores']:.2f} cores on average during the run"
+            if "other_load_cores" in machine else "")
     return (f"{machine['cpu']} ({'native bf16' if machine['native_bf16'] else 'no native bf16'}), "
-            f"{machine['threads']} threads{gpu}, torch {machine['torch']}, transformers {machine['transformers']}")
+            f"{machine['threads']} threads{gpu}, torch {machine['torch']}, transformers {machine['transformers']}"
+            + busy)
 
 
-def _machine(args: Any) -> dict[str, Any]:
+def _machine(args: Any, load: OtherLoad) -> dict[str, Any]:
+    """The machine, and how busy other processes kept it while the bench ran (`OtherLoad`: a run
+    taken while something else used the CPU says little about this code's speed)."""
     machine = machine_info()
+    machine["other_load_cores"] = round(load.cores(), 3)
     device = getattr(args, "device", "cpu")
     if device != "cpu" and torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))
@@ -238,10 +245,10 @@ def run_bench(args: Any) -> dict[str, Any]:
     per_category = args.per_category or (2 if args.quick else 6)
     prompts: list[Any] = chat_prompts(per_category, heldout=True) if args.chat else build_suite(per_category)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), OtherLoad()
     modes = [m for m in args.modes.split(",") if m]
     results = [run_mode(m == "greedy", args, prompts, console) for m in modes]
-    machine = _machine(args)
+    machine = _machine(args, load)
     device = getattr(args, "device", "cpu")
     lines = [res.pop("roofline") for res in results]  # the same decoders each mode: the last one's
     line = lines[-1] if lines else None
@@ -381,7 +388,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), OtherLoad()
     target = args.target or default_target()
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
     configs = specbench_configs(target, args.draft or ["default"]) + peer_configs
@@ -411,7 +418,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
             runs = interleaved(runner, configs, prompts, prompt_ids, args.repeats,
                                on_run=lambda r: bar.update(job, advance=1))
             results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources, peer_info(runner)))
-    machine = _machine(args)
+    machine = _machine(args, load)
     line = _roofline(runner, configs)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),

@@ -315,9 +315,13 @@ void dequant_row_avx2(const Args& a, int64_t n, float* panel) {
 // every tile against it: each weight row is de-quantized once for the product instead of once a tile, with the
 // same multiply-adds in the same order (the same bits). On a 2-core AMD EPYC with AVX2 only (SmolLM2's products, 1
 // thread, in cache) they took 0.6-0.8x the time at 16-128 rows, which now run the register-blocked kernel below
-// (BLOCKED_MIN_ROWS), so panels serve 6-15 rows (Q8_0: 11-15); for a tile or two (up to 5 or 10 rows) the weights
-// are de-quantized as each tile reads them, which measured as fast or faster there.
+// (BLOCKED_MIN_ROWS), so panels serve 8-15 rows (Q4_1; Q8_0: 11-15). Below that the weights are de-quantized as
+// each tile reads them, a full tile of 5 rows first and the rest in one more (6 = 5 + 1, 7 = 5 + 2): the 5-row
+// tile costs least a row. Measured there (2 threads, the same run alternating, median of 60): a product of 6
+// rows took 3.0-3.5 times one row's through panels and two tiles of 3, 2.6-3.3 times this way (7 rows: 3.4-5.3
+// against 2.7-4.2); a verification pass scores K + 1 rows, so these are rounds of K = 5 and 6.
 constexpr int64_t PANEL_ROWS = 8;
+constexpr int64_t PANEL_MIN_ROWS_Q4_1 = 8;
 
 // Products of many rows (a prompt's chunk, a large batch) run a register-blocked kernel instead: each output
 // element's 32 partial sums S[l] are the same chains over the blocks in the same order as above, but computed
@@ -583,10 +587,16 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
 #ifdef QGEMM_AVX2
   if (impl == AVX2 && M >= BLOCKED_MIN_ROWS) return run_blocked<F>(x, M, a);
   // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see PANEL_ROWS.
-  const bool panels = impl == AVX2 && M > (F == Q4_1 ? 1 : 2) * AVX2_TILE;
+  const bool panels = impl == AVX2 && (F == Q4_1 ? M >= PANEL_MIN_ROWS_Q4_1 : M > 2 * AVX2_TILE);
   if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
 #endif
-  const auto tiles = row_tiles(M, single, tile);
+  auto tiles = row_tiles(M, single, tile);
+#ifdef QGEMM_AVX2
+  if (impl == AVX2 && !panels && M > single) {  // full tiles first, then the rest (see PANEL_ROWS)
+    tiles.clear();
+    for (int64_t r0 = 0; r0 < M; r0 += tile) tiles.emplace_back(r0, static_cast<int>(std::min<int64_t>(tile, M - r0)));
+  }
+#endif
   std::vector<float> xp(static_cast<size_t>(M * a.K));
   for (const auto& t : tiles) pack_tile(x, a.K, t.first, t.second, xp.data());
   a.xp = xp.data();

@@ -39,3 +39,17 @@ def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
     assert (out / "timeline-greedy.png").exists() and (out / "speedup-greedy.png").exists()
     assert report["results"][1]["mode"] == "sampling"
     assert report["roofline"]["parts"][0]["name"] == "target" and "Roofline: " in (out / "bench.md").read_text()
+
+
+def test_configs_not_in_the_suite_are_an_error_not_left_out(tiny_pair, tmp_path, capsys):
+    out = tmp_path / "b"
+    code = main(["bench", "--quick", "--target", tiny_pair["target"], "--prophet", tiny_pair["close"],
+                 "--out", str(out), "--configs", "prophet K=4", "eagle K=4"])
+    assert code == 2 and not out.exists()  # checked before anything loads or is written
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'eagle K=4' is not a configuration of the code (the bundled pair) suite" in err[0]
+    assert "'prophet K=4'" in err[0].split("its configurations:")[1]  # the names it runs, to choose from
+    # a name of the other mode's table only (greedy's "ngram" in --quick) is not an error
+    assert main(["bench", "--quick", "--target", tiny_pair["target"], "--prophet", tiny_pair["close"],
+                 "--out", str(out), "--per-category", "1", "--max-new-tokens", "6", "--modes", "sampling",
+                 "--configs", "ngram"]) == 0

@@ -219,6 +219,22 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
                       "wall_s": r.wall_s} for r in runs]}
 
 
+def _check_config_names(args: Any) -> None:
+    """--configs names what this suite runs (in either mode); a name it does not run is an error,
+    not a configuration silently left out."""
+    if not args.configs:
+        return
+    table = chat_configs_for if args.chat else configs_for
+    known = {c.name for greedy in (True, False) for c in table(args.quick, greedy, args.k)}
+    unknown = [name for name in args.configs if name not in known]
+    if unknown:
+        suite = "chat (the SmolLM2 target)" if args.chat else "code (the bundled pair)"
+        quick = " --quick" if args.quick else ""
+        raise SpecdecError(f"--configs: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                           f"a configuration of the {suite} suite"
+                           f"{quick}; its configurations: {', '.join(map(repr, sorted(known)))}")
+
+
 def _roofline(runner: Runner, configs: list[Config]) -> dict[str, Any]:
     """The roofline of the first speculative configuration's decoder (its target and
     prophets), else of plain decoding's (`specdec.bench.roofline`)."""
@@ -237,11 +253,12 @@ def run_bench(args: Any) -> dict[str, Any]:
             raise SpecdecError(f"{flag} goes with --suite spec-bench (the other suites choose prophets with "
                                "--configs and --prophet)")
     args.peer_configs = check_peers(getattr(args, "peers", None), args.target or default_target())
+    args.chat = args.suite == "chat" or (args.suite == "auto" and is_alias(args.target or default_target()))
+    _check_config_names(args)
     console = Console(stderr=True)
     torch.manual_seed(0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    args.chat = args.suite == "chat" or (args.suite == "auto" and is_alias(args.target or default_target()))
     per_category = args.per_category or (2 if args.quick else 6)
     prompts: list[Any] = chat_prompts(per_category, heldout=True) if args.chat else build_suite(per_category)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)

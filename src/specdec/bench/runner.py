@@ -95,8 +95,9 @@ def hf_generate_fn(model: Any, settings: dict[str, Any], eos: list[int], **extra
 
 def measure_costs(target: HFCausalLM, prophet_lm: HFCausalLM | None, context: list[int], ks: list[int],
                   repeats: int = 15) -> dict[str, float]:
-    """c = t_draft(1) / t_target(1) and v(K) = t_target(K+1) / t_target(1), medians."""
-
+    """c = t_draft(1) / t_target(1) and v(K) = t_target(K+1) / t_target(1), medians. The
+    context is cut from the left to leave room for the longest pass within the target's context."""
+    context = context[max(0, len(context) + max(ks, default=0) + 1 - target.max_length):]
     def timed(lm: HFCausalLM, n: int) -> float:
         lm.truncate(0)
         lm.forward(context, 1)

@@ -27,7 +27,7 @@ def test_quick_bench_writes_a_complete_report(tiny_pair, tmp_path):
     assert "other processes used" in (out / "bench.md").read_text()
     greedy = report["results"][0]
     rows = {r["config"]: r for r in greedy["rows"]}
-    assert {"plain", "plain (again)", "prophet K=4", "ngram", "hf plain", "hf assisted K=4",
+    assert {"plain", "plain (again)", "prophet auto (default)", "prophet K=4", "ngram", "hf plain", "hf assisted K=4",
             "hf prompt-lookup"} <= set(rows)
     for name, r in rows.items():
         assert r["identical_to_plain"], name  # greedy outputs identical, so every ratio is reported

@@ -4,6 +4,7 @@ same exact statistical test (chi-square at ALPHA = 0.001 against the toy target'
 distribution) and greedy equality with plain decoding must hold."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -57,3 +58,23 @@ def test_batched_rows_on_the_device(tiny_pair, tiny_eagle, which):
     again = decoder.generate_many([{"prompt": p, "seed": 5, "temperature": 1.0} for p in prompts],
                                   max_new_tokens=8)
     assert [g.token_ids for g in sampled] == [g.token_ids for g in again]  # a seed fixes a row's output
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="cuDNN's attention is a CUDA backend")
+def test_the_loop_builds_no_cudnn_attention_plans(tiny_pair):
+    """cuDNN's attention builds a plan per new key length (tens of ms on the host), and rounds meet
+    a new length each time: the loop attends on flash / memory-efficient / plain attention only
+    (specdec.lm.attention_backends). The prophet runs in bfloat16 on a GPU, where PyTorch would
+    otherwise choose cuDNN."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], device=DEVICE, draft_tokens=3)
+    decoder.generate("def f(", max_new_tokens=4, temperature=0.0)
+    with warnings.catch_warnings():  # the profiler's notes, not the loop's
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = decoder.generate("import os\nimport sys\n", max_new_tokens=16, temperature=0.0)
+        names = [e.key for e in prof.key_averages()]
+    assert out.stats.drafted > 0
+    assert any("attention" in n for n in names), names  # the profile saw the attention calls
+    assert not [n for n in names if "cudnn" in n.lower() and "attention" in n.lower()], names

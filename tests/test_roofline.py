@@ -67,6 +67,9 @@ def test_prophet_bytes_and_the_report_line(tiny_pair, tiny_eagle):
     assert abs(target["over_floor"] - target["measured_ms"] / target["floor_ms"]) < 1e-9
     line = roofline_line(r)
     assert line.startswith("Roofline: this machine streams 1.0 GB/s") and f"prophet {eagle.name}" in line
+    assert r["device"] == "cpu" and f"({r['threads']} threads, 256 MB matrix)" in line
+    gpu = roofline_line({**r, "device": "cuda:0"})  # a GPU run says whose bandwidth it measured
+    assert gpu.startswith("Roofline: the GPU (cuda:0) streams 1.0 GB/s") and "threads" not in gpu
 
 
 def test_gemv_bandwidth_is_a_plausible_rate():

@@ -43,7 +43,7 @@ from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.events import RoundEvent, finish_reason
 from specdec.fastllama import BatchLlama, trim_heap
 from specdec.finish import Finish
-from specdec.lm import common_prefix, tree_depths
+from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
 from specdec.ragged import verify_rows
@@ -114,7 +114,7 @@ class BatchEngine:
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
         """One round for every unfinished request: draft, score, verify, commit. Safe to call
         from several threads (one step at a time), each with requests of its own."""
-        with self.lock:
+        with self.lock, attention_backends(self.target.device):
             return self._step(requests)
 
     def _step(self, requests: Sequence[Request]) -> list[StepEvent]:
@@ -523,7 +523,7 @@ class BatchEngine:
     def measure(self, size: int, k_max: int, prompt: Sequence[int], repeats: int = 3) -> Costs:
         """The step costs of `size` rows of this prompt (`_measure`), measured on placeholder
         rows in free slots, which are free again afterwards."""
-        with self.lock:
+        with self.lock, attention_backends(self.target.device):
             rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
             self._admit(rows)
             try:

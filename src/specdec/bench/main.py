@@ -39,13 +39,14 @@ def configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
     peers = [Config("hf plain", "hf-plain"), Config(f"hf assisted K={k}", "hf-assisted", k=k)]
     if greedy:
         peers.append(Config("hf prompt-lookup", "hf-lookup", k=10))
+    default = Config("prophet auto (default)", "ours", "default", "auto", k=k)  # what load("bundled") runs
     if quick:
-        mine = [Config(f"prophet K={k}", "ours", "default", k=k)]
+        mine = [default, Config(f"prophet K={k}", "ours", "default", k=k)]
         if greedy:
             mine.append(Config("ngram", "ours", "ngram", k=8))
         return base + mine + peers
     peers.insert(2, Config("hf assisted (defaults)", "hf-assisted", k=0))
-    mine = [Config(f"prophet K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
+    mine = [default] + [Config(f"prophet K={kk}", "ours", "default", k=kk) for kk in (2, k, 6)]
     mine += [Config("prophet adaptive", "ours", "default", "adaptive", k=k),
              Config("prophet confidence", "ours", "default", "confidence", k=8),
              Config("prophet optimal", "ours", "default", "optimal", k=k),

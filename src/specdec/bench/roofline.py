@@ -86,18 +86,23 @@ def prophet_step_bytes(prophet: Any) -> int | None:
     return None
 
 
-def gemv_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
-    """Bytes per second a float32 matrix-vector product streams on this machine (the fastest
-    of `repeats`, after a warm-up), over a matrix of `megabytes` MB, far past the caches."""
+def gemv_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
+    """Bytes per second a float32 matrix-vector product streams on `device` (the fastest of
+    `repeats`, after a warm-up), over a matrix of `megabytes` MB, far past the caches. On a GPU
+    each timed product is bracketed by synchronizations, so the time is the kernel's."""
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cols = 4096
     rows = max(1, megabytes * (1 << 20) // (4 * cols))
-    w = torch.full((rows, cols), 0.5)
-    x = torch.full((cols,), 0.25)
+    w = torch.full((rows, cols), 0.5, device=device)
+    x = torch.full((cols,), 0.25, device=device)
     torch.mv(w, x)
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         torch.mv(w, x)
+        sync()
         times.append(time.perf_counter() - t0)
     return w.numel() * w.element_size() / min(times)
 
@@ -105,9 +110,10 @@ def gemv_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
 def roofline(decoder: Any, bandwidth: float | None = None) -> dict[str, Any]:
     """The floor and the measured step of the decoder's target and of each of its prophets
     with weights: bytes read, floor = bytes / bandwidth, measured seconds, measured / floor."""
-    bw = gemv_bandwidth() if bandwidth is None else bandwidth
+    device = decoder.target.device
+    bw = gemv_bandwidth(device=device) if bandwidth is None else bandwidth
     costs = decoder.decision_costs()
-    out: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": torch.get_num_threads(),
+    out: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": torch.get_num_threads(), "device": str(device),
                            "context": costs.context, "parts": []}
     b = target_step_bytes(decoder.target, costs.context)
     if b is not None:
@@ -130,7 +136,10 @@ def roofline_line(r: dict[str, Any]) -> str:
     """The report's line: bandwidth, then each part's bytes, floor, measured step and ratio."""
     parts = "; ".join(f"{p['name']}: {p['megabytes']:.1f} MB, floor {p['floor_ms']:.2f} ms, measured "
                       f"{p['measured_ms']:.2f} ms ({p['over_floor']:.2f}x the floor)" for p in r["parts"])
-    return (f"Roofline: this machine streams {r['bandwidth_gb_s']:.1f} GB/s into a float32 GEMV "
-            f"({r['threads']} threads, 256 MB matrix); a step's bytes are its weights as held (and the KV "
+    device = r.get("device", "cpu")
+    where = "this machine" if device == "cpu" else f"the GPU ({device})"
+    how = f"{r['threads']} threads, " if device == "cpu" else ""
+    return (f"Roofline: {where} streams {r['bandwidth_gb_s']:.1f} GB/s into a float32 GEMV "
+            f"({how}256 MB matrix); a step's bytes are its weights as held (and the KV "
             f"cache at {r['context']} tokens for the target), measured steps the decoder's own timed costs. "
             + (parts or "no part with weights to count") + ".")

@@ -20,7 +20,7 @@ import torch
 from specdec.costmodel import expected_tokens_per_round
 from specdec.data.prompts import BenchPrompt
 from specdec.engine import SpeculativeDecoder
-from specdec.lm import HFCausalLM
+from specdec.lm import HFCausalLM, attention_backends
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,14 @@ def measure_costs(target: HFCausalLM, prophet_lm: HFCausalLM | None, context: li
         lm.truncate(0)
         return statistics.median(times)
 
-    t1 = timed(target, 1)
-    out = {"t_target_1": t1}
-    for k in ks:
-        out[f"v_{k}"] = timed(target, k + 1) / t1
-    if prophet_lm is not None:
-        out["t_draft_1"] = timed(prophet_lm, 1)
-        out["c"] = out["t_draft_1"] / t1
+    with attention_backends(target.device):  # as the loop attends (specdec.lm.attention_backends)
+        t1 = timed(target, 1)
+        out = {"t_target_1": t1}
+        for k in ks:
+            out[f"v_{k}"] = timed(target, k + 1) / t1
+        if prophet_lm is not None:
+            out["t_draft_1"] = timed(prophet_lm, 1)
+            out["c"] = out["t_draft_1"] / t1
     return out
 
 

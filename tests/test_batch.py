@@ -790,3 +790,12 @@ def test_one_llama_path_the_decoders_views_share_the_weights_read_once(tiny_pair
     assert engine.target.slots == 4 and other.tokens == [] and other.forward_calls == 0
     ids = decoder.prompt_ids("def f(x):")
     torch.testing.assert_close(other.forward(ids, 1)[0], engine.target.forward([2], [0], [ids], [1])[0, 0])
+
+
+def test_a_request_knows_its_length_and_context_tail_without_building_it():
+    from specdec.request import Request
+
+    r = Request([5, 6, 7], 8)
+    r.generated += [8, 9]
+    assert r.length == len(r.context) == 5
+    assert [r.context_from(i) for i in range(7)] == [r.context[i:] for i in range(7)]

@@ -232,3 +232,32 @@ def test_calibrate_times_the_one_loop_greedy_and_sampled_at_a_short_and_a_long_c
     engine = decoder._one_loop()
     assert sorted(engine._free) == list(range(engine.target.slots))  # the placeholder rows left
     assert Costs.from_dict(costs.to_dict()) == costs
+
+
+# SmolLM2 int4's stored costs at temperature 1 on an AVX-512 CPU (verification in plain steps)
+SMOLLM2_T1 = Costs(t_plain=1.0, t_verify={1: 1.0, 2: 1.18, 3: 1.36, 4: 1.56, 5: 2.66}, t_draft=0.1)
+
+
+def test_a_sampled_request_starts_from_a_lower_prior():
+    """Drafts are accepted less often when the target samples, so a request at temperature 1
+    starts from prior_a_sampled (0.4) and its first K is the one that prior pays for; greedy
+    keeps prior_a (0.6); in between, linearly. A later greedy request is not affected."""
+    policy = auto(SMOLLM2_T1)
+    first_k = {}
+    for t in (0.0, 0.5, 1.0, 1.5, 0.0):
+        policy.reset(None, t)
+        assert abs(policy.acceptance() - {0.0: 0.6, 0.5: 0.5, 1.0: 0.4, 1.5: 0.4}[t]) < 1e-12
+        first_k[t] = policy.next_k()
+        assert first_k[t] == SMOLLM2_T1.best_k(policy.acceptance(), policy.k_max, "*")[0]
+    assert first_k[1.0] < first_k[0.0]  # fewer tokens drafted before any evidence when sampling
+
+
+def test_a_request_carries_its_temperature_to_its_policy():
+    from specdec.request import Request
+    from specdec.sampling import SamplingParams
+
+    policy = auto(STEP_CURVE)
+    Request([1, 2, 3], 8, SamplingParams(1.0), 4, policy=policy)
+    assert abs(policy.acceptance() - 0.4) < 1e-12
+    Request([1, 2, 3], 8, SamplingParams(0.0), 4, policy=policy)
+    assert abs(policy.acceptance() - 0.6) < 1e-12

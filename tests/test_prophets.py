@@ -257,3 +257,22 @@ def test_layerskip_auto_picks_a_measured_layer_count(tiny_pair):
     assert 1 <= layers < 3 and [row["layers"] for row in table] == [1, 2]
     assert all(0 <= row["agreement"] <= 1 for row in table)
     assert best == max(table, key=lambda r: r["expected_gain"])["layers"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 30),
+       st.lists(st.integers(0, 3), max_size=40), st.integers(1, 9), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_index_proposes_what_lookup_proposes_as_a_context_grows(prompt, cut, grown, k, n_min, extra):
+    """The incremental index (a request's prompt, then its tokens one commit at a time, some
+    commits several tokens long) equals the scanning lookup at every length; a context that
+    is not the same sequence grown (another request's) is indexed afresh."""
+    from specdec.prophets.ngram import NgramIndex
+
+    index = NgramIndex(n_min + extra, n_min)
+    generated: list[int] = []
+    for i in range(0, len(grown) + 1, 1 + cut % 3):
+        generated = grown[:i]
+        want = lookup(np.array(prompt + generated, dtype=np.int64), k, n_min + extra, n_min)
+        assert index.propose(prompt, generated, k) == want
+    other = [t ^ 1 for t in prompt]  # not the same sequence
+    assert index.propose(other, [], k) == lookup(np.array(other, dtype=np.int64), k, n_min + extra, n_min)

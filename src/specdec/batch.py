@@ -151,7 +151,7 @@ class BatchEngine:
         target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
         for b, r in enumerate(active):  # a coupled row: each position one-hot on its keyed draw
             if r.params.coupled is not None:
-                target_probs[b] = couple(target_probs[b], r.params, len(r.context))
+                target_probs[b] = couple(target_probs[b], r.params, r.length)
         share = self._timed(len(active), d0, d1)
         # 4. Ragged verification.
         k_max = max(lens)
@@ -177,7 +177,7 @@ class BatchEngine:
         nodes, `trees`: their parents), logits after the last pending token and each drafted
         one, and the features the head read where a prophet reads them (else None). The
         rows' target caches then hold all of it (the commit cuts them back)."""
-        feeds = [r.context[r.target_cached:] + list(t) for r, t in zip(active, drafts, strict=True)]
+        feeds = [r.context_from(r.target_cached) + list(t) for r, t in zip(active, drafts, strict=True)]
         args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
         hidden = fused = None
         if self.fused_layers:
@@ -234,7 +234,7 @@ class BatchEngine:
         share = self._timed(len(active), d0, d1)
         events = []
         for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
-            n, at = len(tree.tokens), len(r.context)  # at: the root's position
+            n, at = len(tree.tokens), r.length  # at: the root's position
             p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
             p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions
             verdict = verify_tree(tree, p, r.generator)
@@ -450,7 +450,7 @@ class BatchEngine:
             return 0
         k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
         remaining = req.max_new_tokens - len(req.generated)
-        room = self.target.max_length - len(req.context)
+        room = self.target.max_length - req.length
         return max(0, min(k, req.k, remaining - 1, room, self.prophet.room(req)))
 
     def set_costs(self, costs: Costs) -> None:
@@ -556,10 +556,10 @@ class BatchEngine:
                 if self.row_costs is None:
                     self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
                 base = self.row_costs
-            r.policy.costs = base.for_params(r.params.greedy).at(len(r.context))  # type: ignore[union-attr]
+            r.policy.costs = base.for_params(r.params.greedy).at(r.length)  # type: ignore[union-attr]
         # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
         return self._costs[bucket].for_params(all(r.params.greedy for r in active)).at(
-            max(len(r.context) for r in active))
+            max(r.length for r in active))
 
     def _bucket_costs(self, bucket: int, active: Sequence[Request], k_max: int) -> Costs:
         """A bucket's step costs: from `cost_store` (the decoder's stored costs, measured once
@@ -651,7 +651,7 @@ class BatchEngine:
             per_call[name] = max(0.0, drafting[1] - per_token[name])
         t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
         return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
-                     context=max(len(r.context) for r in rows))
+                     context=max(r.length for r in rows))
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
                 prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
@@ -660,10 +660,10 @@ class BatchEngine:
         the row's policy observes the round (n_drafted: the K it drafted, default
         len(drafted); a tree's accepted path is shorter) with the row's share of the step's
         draft and target time."""
-        before = len(req.context)
+        before = req.length
         for token in [*drafted[:n_accepted], next_token]:
             req.generated.append(token)
-            req.finish_reason = finish_reason(token, len(req.generated), len(req.context), self.eos_token_ids,
+            req.finish_reason = finish_reason(token, len(req.generated), req.length, self.eos_token_ids,
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,8 @@ class Request:
     # chunks as target passes computed them, not yet in that prophet's cache
     fused: list[torch.Tensor] = field(default_factory=list, repr=False)
     fused_from: int = 0
+    # prompt lookup's index of this request's context, by prophet name (specdec.prophets.ngram.NgramIndex)
+    lookups: dict[str, Any] = field(default_factory=dict, repr=False)
     prefix_hit: int = 0  # leading prompt positions the prefix cache gave it (not read again)
     prefix_stored: bool = False  # its prompt's blocks went to the prefix cache (or were there)
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
@@ -58,7 +61,7 @@ class Request:
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
         if self.policy is not None and self.k > 0:
-            self.policy.reset(self.k)  # its state is this request's alone
+            self.policy.reset(self.k, self.params.temperature)  # its state is this request's alone
         self.seed_used = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(self.seed_used)  # moved to the engine's device on admission
         if check_sampling(self.sampling) == "coupled" and self.params.coupled is None:
@@ -67,6 +70,16 @@ class Request:
     @property
     def context(self) -> list[int]:
         return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        """len(context), without building it."""
+        return len(self.prompt) + len(self.generated)
+
+    def context_from(self, start: int) -> list[int]:
+        """context[start:], without building the whole context."""
+        n = len(self.prompt)
+        return self.prompt[start:] + self.generated if start < n else self.generated[start - n :]
 
     @property
     def done(self) -> bool:

@@ -56,7 +56,7 @@ class ModelBatchProphet:
 
 
     def room(self, req: Request) -> int:
-        return self.lm.max_length - len(req.context) + 1  # it scores positions up to len + k - 2
+        return self.lm.max_length - req.length + 1  # it scores positions up to len + k - 2
 
     def prefill(self, reqs: Sequence[Request]) -> None:
         _prefill(self.lm, reqs, self.name)
@@ -93,7 +93,7 @@ class ModelBatchProphet:
                 at[b] += len(feeds[b])
                 self._fed(req, len(feeds[b]))
                 token = greedy[i] if req.params.greedy else draw(q[i], req.params, req.generator,
-                                                                    len(req.context) + j)
+                                                                    req.length + j)
                 feeds[b] = [token]
                 tokens[b].append(token)
                 stop = keep[b]
@@ -152,6 +152,10 @@ class LookupBatchProphet:
         pass
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        if isinstance(self.prophet, NgramProphet):  # from each request's index of its context
+            ngram = self.prophet
+            return BatchDraft([ngram.propose_indexed(r.lookups, r.prompt, r.generated, k) if k else []
+                               for r, k in zip(reqs, ks, strict=True)], None)
         return BatchDraft([self.prophet.propose(r.context, k, r.params, None).tokens if k else []
                            for r, k in zip(reqs, ks, strict=True)], None)
 
@@ -186,7 +190,7 @@ class RowsProphet(LookupBatchProphet):
                 view.reset()
             view.committed(r.context)
             if self.reads_features and r.feature is not None:
-                view.see_feature(len(r.context) - 2, r.feature)
+                view.see_feature(r.length - 2, r.feature)
             keep = r.policy.keep_drafting() if r.policy is not None else None
             d = view.propose(r.context, k, r.params, r.generator, keep)
             tokens[b], drafted = list(d.tokens), drafted + len(d.tokens)
@@ -255,7 +259,7 @@ class FeatureBatchProphet:
                 q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
                 for n, i in enumerate(drawing):
                     req = reqs[rows[i]]
-                    picked[i] = draw(q[n], req.params, req.generator, len(req.context) + j - 1, p.vocab_ids,
+                    picked[i] = draw(q[n], req.params, req.generator, req.length + j - 1, p.vocab_ids,
                                      self.vocab_size)
                     probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
             for i, b in enumerate(rows):
@@ -307,7 +311,7 @@ class Eagle3BatchProphet:
             if not r.fused or r.fused_from != have:
                 continue  # no fresh slot to start from (it just joined, or was cut): no draft this step
             pending = torch.cat(r.fused)
-            if have + len(pending) != len(r.context) - 1:
+            if have + len(pending) != r.length - 1:
                 continue
             ready.append(b)
             slots.append(_slot(r))
@@ -319,8 +323,8 @@ class Eagle3BatchProphet:
         g = self.runtime.run(slots, starts, feats, toks, [True] * len(ready))
         for b in ready:
             r = reqs[b]
-            _set_cached(r, self.name, len(r.context) - 1)
-            r.fused, r.fused_from = [], len(r.context) - 1
+            _set_cached(r, self.name, r.length - 1)
+            r.fused, r.fused_from = [], r.length - 1
         return ready, g
 
     @torch.inference_mode()
@@ -357,7 +361,7 @@ class Eagle3BatchProphet:
             live = [i for i in range(len(rows)) if k_rows[i] >= j]
             if j > 1:  # slot N-2+j-1 of each row still drafting: (its last output, its last draft)
                 g_live = rt.run([_slot(reqs[rows[i]]) for i in live],
-                                [len(reqs[rows[i]].context) - 2 + j - 1 for i in live],
+                                [reqs[rows[i]].length - 2 + j - 1 for i in live],
                                 [g[i][None] for i in live], [[tokens[rows[i]][-1]] for i in live],
                                 [False] * len(live))
                 g = g.clone()
@@ -370,7 +374,7 @@ class Eagle3BatchProphet:
                 q = _probs_by_params(sub[drawing][:, None], [reqs[rows[live[n]]] for n in drawing], who)[:, 0]
                 for m, n in enumerate(drawing):
                     req = reqs[rows[live[n]]]
-                    picked[n] = draw(q[m], req.params, req.generator, len(req.context) + j - 1, rt.vocab_ids,
+                    picked[n] = draw(q[m], req.params, req.generator, req.length + j - 1, rt.vocab_ids,
                                      self.full_vocab)
                     probs[rows[live[n]], j - 1].index_copy_(-1, rt.vocab_ids, q[m].float())  # type: ignore[index]
             for n, i in enumerate(live):

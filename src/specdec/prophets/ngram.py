@@ -5,6 +5,7 @@ Deterministic: q is one-hot, which the verifier handles exactly."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,50 @@ def lookup_reference(context: np.ndarray, k: int, n_max: int, n_min: int) -> lis
     return []
 
 
+class NgramIndex:
+    """One context's n-grams (n_min..n_max), each mapped to the position where its latest
+    occurrence ends, kept up to date as the context grows: a step's lookup reads a few dict
+    entries instead of scanning the context (on SmolLM2's Spec-Bench contexts of ~700 tokens
+    a step's lookup took ~0.1 ms, about 1% of a plain step, in every step the prophet was
+    asked). It proposes exactly what `lookup` proposes (tested). A context is the same
+    sequence growing: one that is not (shorter, or another sequence) is indexed afresh."""
+
+    def __init__(self, n_max: int, n_min: int) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
+
+    def _extend(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        """Index the n-grams that end before the context's last position."""
+        n_prompt = len(prompt)
+        length = n_prompt + len(generated)
+        have = len(self.tokens)
+        if length < have or (have and (prompt[have - 1] if have <= n_prompt else generated[have - 1 - n_prompt])
+                             != self.tokens[-1]):
+            self.tokens, self.latest, have = [], {}, 0
+        if have < n_prompt:
+            self.tokens.extend(prompt[have:])
+            self.tokens.extend(generated)
+        else:
+            self.tokens.extend(generated[have - n_prompt :])
+        tokens, latest = self.tokens, self.latest
+        # ends indexed so far: up to have - 2; now up to length - 2 (a match needs a token after it)
+        for end in range(max(0, have - 1), length - 1):
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                latest[tuple(tokens[end - n + 1 : end + 1])] = end
+
+    def propose(self, prompt: Sequence[int], generated: Sequence[int], k: int) -> list[int]:
+        """`lookup(prompt + generated, k, n_max, n_min)`, from the index."""
+        self._extend(prompt, generated)
+        tokens = self.tokens
+        length = len(tokens)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            end = self.latest.get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
+
+
 class NgramProphet(FeatureBlind):
     vocab_size: int | None = None
 
@@ -60,6 +105,15 @@ class NgramProphet(FeatureBlind):
         t0 = span()
         tokens = lookup(np.asarray(context, dtype=np.int64), k, self.n_max, self.n_min)
         return Draft(tokens, None, self.name, [(t0, span())] if tokens else [], forward_calls=0)
+
+    def propose_indexed(self, lookups: dict[str, Any], prompt: Sequence[int], generated: Sequence[int],
+                        k: int) -> list[int]:
+        """What `propose` drafts for prompt + generated, from the request's own index of its
+        context (kept in `lookups`, the request's, under this prophet's name)."""
+        index = lookups.get(self.name)
+        if not isinstance(index, NgramIndex):
+            index = lookups[self.name] = NgramIndex(self.n_max, self.n_min)
+        return index.propose(prompt, generated, k)
 
     def committed(self, context: Sequence[int]) -> None:
         pass

@@ -53,3 +53,27 @@ def test_configs_not_in_the_suite_are_an_error_not_left_out(tiny_pair, tmp_path,
     assert main(["bench", "--quick", "--target", tiny_pair["target"], "--prophet", tiny_pair["close"],
                  "--out", str(out), "--per-category", "1", "--max-new-tokens", "6", "--modes", "sampling",
                  "--configs", "ngram"]) == 0
+
+
+def test_gpu_check_names_configurations_the_code_suite_runs():
+    """scripts/gpu-check's bench asks for configurations by name; each must be one the bundled
+    pair's quick suite runs (a name it did not know once left the GPU bench measuring plain
+    decoding alone). Where there is no CUDA GPU the script says so and exits 0."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    import torch
+
+    from specdec.bench.main import configs_for
+
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "scripts" / "gpu-check").read_text()
+    words = shlex.split(script[script.index("specdec.cli bench"):].split("\nbench=")[0].replace("\\\n", " "))
+    names = words[words.index("--configs") + 1:]
+    assert "--target" in words and words[words.index("--target") + 1] == "models/target"
+    known = {c.name for greedy in (True, False) for c in configs_for(True, greedy)}
+    assert names and set(names) <= known, set(names) - known
+    if not torch.cuda.is_available():
+        done = subprocess.run([str(root / "scripts" / "gpu-check")], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "no CUDA GPU" in done.stdout

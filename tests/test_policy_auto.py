@@ -261,3 +261,22 @@ def test_a_request_carries_its_temperature_to_its_policy():
     assert abs(policy.acceptance() - 0.4) < 1e-12
     Request([1, 2, 3], 8, SamplingParams(0.0), 4, policy=policy)
     assert abs(policy.acceptance() - 0.6) < 1e-12
+
+
+def test_a_sampled_request_keeps_a_paused_prophets_evidence_whole():
+    """After a pause a greedy request weighs what the prophet showed by resume_weight (0.5);
+    a request at temperature 1 keeps all of it (resume_weight_sampled), so one lucky probe
+    does not restart drafting that did not pay."""
+    def after_pause(temperature):
+        policy = auto(EXPENSIVE, min_rounds=2)
+        policy.reset(None, temperature)
+        for _ in range(2):
+            policy.observe(drafted_round(policy.next_k(), 0))
+        before = policy._of(None).tested
+        while policy.next_k() == 0:
+            policy.observe(plain_round())
+        return policy._of(None).tested / before
+
+    assert abs(after_pause(0.0) - 0.5) < 1e-12
+    assert abs(after_pause(1.0) - 1.0) < 1e-12
+    assert abs(after_pause(0.5) - 0.75) < 1e-12

@@ -799,3 +799,16 @@ def test_a_request_knows_its_length_and_context_tail_without_building_it():
     r.generated += [8, 9]
     assert r.length == len(r.context) == 5
     assert [r.context_from(i) for i in range(7)] == [r.context[i:] for i in range(7)]
+
+
+def test_prompt_lookup_in_the_loop_drafts_from_each_requests_index(tiny_pair):
+    """The wiring gives prompt lookup its batched form, which drafts from an index kept in each
+    request (`Request.lookups`); its greedy output is plain decoding's."""
+    from specdec import load
+
+    decoder = load(tiny_pair["target"], draft="ngram", draft_tokens=4, policy="fixed")
+    assert type(decoder._one_loop().prophet) is NgramBatchProphet
+    prompt = "import os\nimport sys\nimport os\nimport sys\nimport"
+    out = decoder.generate(prompt, max_new_tokens=16, temperature=0.0)
+    assert out.stats.drafted > 0
+    assert out.token_ids == decoder.plain().generate(prompt, max_new_tokens=16, temperature=0.0).token_ids

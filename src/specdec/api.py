@@ -112,13 +112,13 @@ def check_prefix_cache_mb(mb: object) -> float:
 
 
 def batch_engine(target: str, draft: str | None = None, slots: int = 16, dtype: torch.dtype | str | None = None,
-                 draft_dtype: torch.dtype | None = None, multi: str = "auto", device: str | None = None) -> Any:
+                 draft_dtype: torch.dtype | None = None, multi: str = "auto", device: str = "cpu") -> Any:
     """A BatchEngine with `slots` cache slots over what `load` builds. target: a path, hub id
     or "smollm2"; draft: None (plain) or any `--draft` spec (with several prophets, `multi`
     says how they combine); device as `load`'s."""
     from specdec.wiring import engine_for
 
     decoder = load(target, draft=draft or "none", policy="fixed", multi=multi, dtype=dtype, draft_dtype=draft_dtype,
-                   device=device or "cpu")
+                   device=device)
     engine = engine_for(decoder, slots)
     return engine

@@ -198,7 +198,6 @@ class AutoPolicy(Policy):
         self.resume_weight = resume_weight
         self.prior_a, self.prior_weight, self.decay = prior_a, prior_weight, decay
         self.prior_a_sampled, self.resume_weight_sampled = prior_a_sampled, resume_weight_sampled
-        self.prior, self.resume = prior_a, resume_weight
         self.costs: Costs | None = None
         self.reset()
 
@@ -206,17 +205,13 @@ class AutoPolicy(Policy):
         """A new request; k (or the decoder's K) is the largest K this request may draft."""
         super().reset(k, temperature)
         self.k_max = self.k
-        self.prior = self.prior_for(temperature)
+        # this request's prior and what a pause keeps: the greedy value at T=0, the sampled one from T=1
         t = min(max(float(temperature), 0.0), 1.0)
+        self.prior = self.prior_a + (self.prior_a_sampled - self.prior_a) * t
         self.resume = self.resume_weight + (self.resume_weight_sampled - self.resume_weight) * t
         self.evidence: dict[str, _Evidence] = {}
         self.gains: list[float] = []  # the predictions made in this request (for stats and tests)
         self.ks: list[int] = []  # the K chosen after each drafted round
-
-    def prior_for(self, temperature: float) -> float:
-        """The per-position acceptance a request sampled at `temperature` starts from."""
-        t = min(max(float(temperature), 0.0), 1.0)
-        return self.prior_a + (self.prior_a_sampled - self.prior_a) * t
 
     def _of(self, prophet: str | None) -> _Evidence:
         key = prophet or "*"

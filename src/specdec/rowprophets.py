@@ -24,7 +24,7 @@ from specdec.prophets.base import Prophet
 from specdec.prophets.eagle3 import Eagle3Runtime
 from specdec.prophets.feature import FeatureProphet, full_vocab_logits
 from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
-from specdec.prophets.ngram import NgramProphet
+from specdec.prophets.ngram import NgramIndex, NgramProphet
 from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot, keep_fused
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
@@ -152,10 +152,6 @@ class LookupBatchProphet:
         pass
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
-        if isinstance(self.prophet, NgramProphet):  # from each request's index of its context
-            ngram = self.prophet
-            return BatchDraft([ngram.propose_indexed(r.lookups, r.prompt, r.generated, k) if k else []
-                               for r, k in zip(reqs, ks, strict=True)], None)
         return BatchDraft([self.prophet.propose(r.context, k, r.params, None).tokens if k else []
                            for r, k in zip(reqs, ks, strict=True)], None)
 
@@ -208,10 +204,23 @@ class RowsProphet(LookupBatchProphet):
 
 
 class NgramBatchProphet(LookupBatchProphet):
-    """Prompt lookup per row (see specdec.prophets.ngram)."""
+    """Prompt lookup per row (see specdec.prophets.ngram), each row from its request's own
+    index of its context (`NgramIndex`, kept in `Request.lookups` under the prophet's name):
+    the drafts of `NgramProphet.propose`, without scanning the context every step."""
 
-    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
-        super().__init__(NgramProphet(n_max, n_min))
+    def __init__(self, n_max: int = 4, n_min: int = 2, prophet: NgramProphet | None = None) -> None:
+        self.ngram = prophet if prophet is not None else NgramProphet(n_max, n_min)
+        super().__init__(self.ngram)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        return BatchDraft([self._index(r).propose(r.prompt, r.generated, k) if k else []
+                           for r, k in zip(reqs, ks, strict=True)], None)
+
+    def _index(self, req: Request) -> NgramIndex:
+        index = req.lookups.get(self.name)
+        if not isinstance(index, NgramIndex):
+            index = req.lookups[self.name] = NgramIndex(self.ngram.n_max, self.ngram.n_min)
+        return index
 
 
 class FeatureBatchProphet:

@@ -451,6 +451,7 @@ def _new_engine(decoder: Any, slots: int) -> Any:
         FirstBatchProphet,
         LookupBatchProphet,
         ModelBatchProphet,
+        NgramBatchProphet,
         RowsProphet,
         TreeBatchProphet,
     )
@@ -462,7 +463,9 @@ def _new_engine(decoder: Any, slots: int) -> Any:
     target: BatchLM = decoder.target.rows.view(slots) if lean else RowsLM(decoder.target, slots)
     parts: list[BatchProphet] = []
     for d in decoder.prophets:
-        if isinstance(d, NgramProphet | RetrievalProphet):
+        if isinstance(d, NgramProphet):
+            parts.append(NgramBatchProphet(prophet=d))
+        elif isinstance(d, RetrievalProphet):
             parts.append(LookupBatchProphet(d))
         elif isinstance(d, LayerSkipProphet) and d.target is decoder.target:  # layerskip, kangaroo
             parts.append(EarlyExitBatchProphet(target, d))

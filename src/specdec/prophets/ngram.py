@@ -5,7 +5,6 @@ Deterministic: q is one-hot, which the verifier handles exactly."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -60,18 +59,14 @@ class NgramIndex:
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
 
     def _extend(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
-        """Index the n-grams that end before the context's last position."""
-        n_prompt = len(prompt)
+        """Index the n-grams that end before the context's last position. `tokens` is the
+        index's own copy of the context (each step then adds only the new tokens)."""
+        n_prompt, have = len(prompt), len(self.tokens)
         length = n_prompt + len(generated)
-        have = len(self.tokens)
-        if length < have or (have and (prompt[have - 1] if have <= n_prompt else generated[have - 1 - n_prompt])
-                             != self.tokens[-1]):
-            self.tokens, self.latest, have = [], {}, 0
-        if have < n_prompt:
-            self.tokens.extend(prompt[have:])
-            self.tokens.extend(generated)
-        else:
-            self.tokens.extend(generated[have - n_prompt :])
+        if have > length or have and self.tokens[-1] != (
+                prompt[have - 1] if have <= n_prompt else generated[have - 1 - n_prompt]):
+            self.tokens, self.latest, have = [], {}, 0  # not the indexed sequence grown: index afresh
+        self.tokens += [*prompt[have:], *generated] if have < n_prompt else generated[have - n_prompt :]
         tokens, latest = self.tokens, self.latest
         # ends indexed so far: up to have - 2; now up to length - 2 (a match needs a token after it)
         for end in range(max(0, have - 1), length - 1):
@@ -105,15 +100,6 @@ class NgramProphet(FeatureBlind):
         t0 = span()
         tokens = lookup(np.asarray(context, dtype=np.int64), k, self.n_max, self.n_min)
         return Draft(tokens, None, self.name, [(t0, span())] if tokens else [], forward_calls=0)
-
-    def propose_indexed(self, lookups: dict[str, Any], prompt: Sequence[int], generated: Sequence[int],
-                        k: int) -> list[int]:
-        """What `propose` drafts for prompt + generated, from the request's own index of its
-        context (kept in `lookups`, the request's, under this prophet's name)."""
-        index = lookups.get(self.name)
-        if not isinstance(index, NgramIndex):
-            index = lookups[self.name] = NgramIndex(self.n_max, self.n_min)
-        return index.propose(prompt, generated, k)
 
     def committed(self, context: Sequence[int]) -> None:
         pass

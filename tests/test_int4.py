@@ -14,6 +14,7 @@ from specdec.int4 import (
     HEAD_PROBE_SIZES,
     INT4,
     Codes,
+    KERNELS,
     Int4Weight,
     quantize_q4_1,
     quantize_q8_0,
@@ -172,7 +173,7 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
     # the stored step costs of an int4 target are its own, never a float32 target's
     float32 = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=4)
     assert decoder.costs_key()["int4"] and not float32.costs_key()["int4"]
-    assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in ("blocks8", "blocks", "torch")
+    assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in KERNELS[1:]
     assert {k: v for k, v in decoder.costs_key().items() if not k.startswith("int4")} == \
         {k: v for k, v in float32.costs_key().items() if not k.startswith("int4")}
 
@@ -244,27 +245,36 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
         if not qgemm.available():
             continue
         # float32 activations: within float32 rounding; int8 activations: within their quantization
-        for kernel, tol in (("blocks", 2 ** -18 * scale * 96), ("blocks8", 2 ** -6 * scale)):
+        # bfloat16 activations and Q4_1 weights: within bfloat16's rounding (Q8_0 stays on the float kernel)
+        kernels = [("blocks", 2 ** -18 * scale * 96), ("blocks8", 2 ** -6 * scale)]
+        if qgemm.has_bf16_kernel():
+            kernels.append(("blocks16", 2 ** -6 * scale))
+        for kernel, tol in kernels:
             monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
             fast = Int4Weight(codes)
-            assert fast.kernel == kernel and not fast.planes
+            runs_on = "blocks" if kernel == "blocks16" and blocks.kind == "Q8_0" else kernel
+            assert fast.kernel == runs_on and not fast.planes
             assert float((fast.mm(x).double() - exact).abs().max()) < tol
             head = fast.first_rows(150)
             assert head.blocks is not None and head.blocks.data.shape[0] == 150
             assert torch.equal(head.mm(x), fast.mm(x)[:, :150])
             assert fast.nbytes == codes[0].blocks.data.numel()
     monkeypatch.delenv("SPECDEC_INT4_KERNEL")  # the default (see kernel_choice: the measurements)
-    assert kernel_choice() == ("blocks" if qgemm.available() and not qgemm.has_avx512() else "torch")
-    monkeypatch.setattr(qgemm, "has_avx512", lambda: True)
-    assert kernel_choice() == "torch"
-    monkeypatch.setattr(qgemm, "has_avx512", lambda: False)
-    assert kernel_choice() == ("blocks" if qgemm.available() else "torch")
+    if not qgemm.available():
+        assert kernel_choice() == "torch"
+    else:
+        assert kernel_choice() == ("blocks16" if qgemm.has_bf16_kernel() else "blocks")
+        monkeypatch.setattr(qgemm, "has_bf16_kernel", lambda: False)  # a CPU without avx512_bf16
+        assert kernel_choice() == "blocks"
+        monkeypatch.setenv("SPECDEC_INT4_KERNEL", "blocks16")
+        with pytest.raises(ValueError, match="blocks16 needs a CPU with avx512_bf16"):
+            kernel_choice()
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="auto, blocks8, blocks, torch"):
+    with pytest.raises(ValueError, match="auto, blocks16, blocks8, blocks, torch"):
         kernel_choice()
 
 
-@pytest.mark.parametrize("kernel", ["blocks", "blocks8"])
+@pytest.mark.parametrize("kernel", ["blocks", "blocks8", "blocks16"])
 def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, kernel):
     """On each of specdec.qgemm's kernels (SPECDEC_INT4_KERNEL): SmolLM2's 9 tokens scored in one
     pass give the logits of 9 one-token steps bit for bit; greedy speculative decoding (default
@@ -274,6 +284,8 @@ def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, 
 
     if not qgemm.available():
         pytest.skip(f"qgemm unavailable: {qgemm.why_unavailable()}")
+    if kernel == "blocks16" and not qgemm.has_bf16_kernel():
+        pytest.skip("no bfloat16 kernel on this CPU (avx512_bf16)")
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
     decoder = load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
                    dtype="int4")
@@ -296,11 +308,9 @@ def test_a_blocks_kernel_that_cannot_build_is_an_error_that_says_why(monkeypatch
 
     monkeypatch.setattr(qgemm, "available", lambda: False)
     monkeypatch.setattr(qgemm, "why_unavailable", lambda: "RuntimeError: no compiler")
-    for kernel in ("blocks", "blocks8"):
+    for kernel in ("blocks", "blocks8", "blocks16"):
         monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
         with pytest.raises(ValueError, match=f"SPECDEC_INT4_KERNEL={kernel}.*no compiler"):
             kernel_choice()
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "auto")
-    for avx512 in (True, False):
-        monkeypatch.setattr(qgemm, "has_avx512", lambda avx512=avx512: avx512)
-        assert kernel_choice() == "torch"
+    assert kernel_choice() == "torch"

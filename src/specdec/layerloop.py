@@ -26,7 +26,7 @@ from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
 
-_KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3}
+_KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3, "blocks16": 4}
 _FORMATS = {"Q4_1": 0, "Q8_0": 1}
 
 

@@ -51,7 +51,8 @@ Q4_1_BYTES = 20
 Q8_0_BYTES = 34
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCE = KERNELS_DIR / "qgemm.cpp"
-SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "step.cpp")  # one extension: the products, the layer loop
+# one extension: the products (float32, int8 and bfloat16 activations), the layer loop
+SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "qgemm16.cpp", KERNELS_DIR / "step.cpp")
 HEADERS = (KERNELS_DIR / "qgemm_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
 LDFLAGS = ("-fopenmp",)
@@ -226,6 +227,38 @@ def q4_1_mm8(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch
 def q8_0_mm8(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """As `q8_0_mm`, with x quantized to int8 blocks first (see `q4_1_mm8`)."""
     return _mm(x, blocks, 1, impl, int8=True)
+
+
+def q4_1_mm16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """As `q4_1_mm`, with x and the de-quantized weights rounded to bfloat16 (round to nearest
+    even) and multiplied by AVX-512 BF16 dot products (vdpbf16ps) accumulating in float32; rows
+    invariant by construction (see qgemm16.cpp). Only where `has_bf16_kernel()`."""
+    return _mm16(x, blocks, 0)
+
+
+def q8_0_mm16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """As `q8_0_mm`, on the bfloat16 kernel (see `q4_1_mm16`)."""
+    return _mm16(x, blocks, 1)
+
+
+def _mm16(x: torch.Tensor, blocks: torch.Tensor, fmt: int) -> torch.Tensor:
+    module = _module if _module is not None else _require()
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return module.qmm16(x, blocks, fmt)  # type: ignore[no-any-return]
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., K)")
+    out: torch.Tensor = module.qmm16(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous(), blocks, fmt)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def has_bf16_kernel() -> bool:
+    """Whether the extension builds here with its bfloat16 kernel (a CPU with avx512_bf16)."""
+    return available() and bool(_require().impls16())
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x float32 -> bfloat16, rounded as the bfloat16 kernel rounds its activations."""
+    return _require().round_bf16(x.to(torch.float32).contiguous())  # type: ignore[no-any-return]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

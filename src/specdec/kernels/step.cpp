@@ -27,12 +27,13 @@
 // specdec.qgemm's products (qgemm.cpp, qgemm8.cpp): x (M, K) float32 contiguous @ blocks.T, fmt 0 Q4_1, 1 Q8_0.
 torch::Tensor qgemm_blocks_mm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
 torch::Tensor qgemm_blocks_mm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
+torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
 
 namespace {
 
 constexpr int64_t GROUP = 32;  // the int4 kernel's group size (specdec.int4.GROUP)
 
-enum Kind : int64_t { FLOAT = 0, INT4_TORCH = 1, BLOCKS = 2, BLOCKS8 = 3 };
+enum Kind : int64_t { FLOAT = 0, INT4_TORCH = 1, BLOCKS = 2, BLOCKS8 = 3, BLOCKS16 = 4 };
 
 // ------------------------------------------------------------------------------------------------ small kernels
 // Each computes every row (and every query) by one fixed sequence of float operations, whatever else shares the
@@ -225,8 +226,8 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
 // One product x @ W.T of a layer, as `LlamaWeights._mm` computes it for that weight.
 struct Product {
   int64_t kind = FLOAT;
-  torch::Tensor weight;                     // FLOAT: (N, K); BLOCKS, BLOCKS8: GGUF blocks (N, K/32, bytes)
-  int64_t fmt = 0;                          // BLOCKS, BLOCKS8: 0 Q4_1, 1 Q8_0
+  torch::Tensor weight;                     // FLOAT: (N, K); BLOCKS, BLOCKS8, BLOCKS16: GGUF blocks (N, K/32, bytes)
+  int64_t fmt = 0;                          // BLOCKS, BLOCKS8, BLOCKS16: 0 Q4_1, 1 Q8_0
   std::vector<torch::Tensor> packed;        // INT4_TORCH: each plane's packed codes
   std::vector<torch::Tensor> scales_zeros;  // INT4_TORCH: each plane's (K/32, N, 2) bfloat16
   int64_t out_rows = 0;                     // the rows a product returns (N, or fewer: a head sliced)
@@ -235,8 +236,9 @@ struct Product {
 
   // flat (M, K) in the kernel's activation dtype, contiguous -> (M, out_rows) float32 (`Int4Weight._product`)
   torch::Tensor product(const torch::Tensor& flat) const {
-    if (kind == BLOCKS || kind == BLOCKS8) {
+    if (kind == BLOCKS || kind == BLOCKS8 || kind == BLOCKS16) {
       RECORD_FUNCTION("specdec_qgemm", std::vector<c10::IValue>());  // named for scripts/step-profile
+      if (kind == BLOCKS16) return qgemm_blocks_mm16(flat, weight, fmt);
       return kind == BLOCKS ? qgemm_blocks_mm(flat, weight, fmt) : qgemm_blocks_mm8(flat, weight, fmt);
     }
     torch::Tensor out;
@@ -480,7 +482,7 @@ void register_step(pybind11::module& m) {
   py::class_<Product>(m, "Product")
       .def(py::init([](int64_t kind, torch::Tensor weight, int64_t fmt, std::vector<torch::Tensor> packed,
                        std::vector<torch::Tensor> scales_zeros, int64_t out_rows, int64_t in_features, bool solo) {
-             TORCH_CHECK(kind >= FLOAT && kind <= BLOCKS8, "unknown product kind ", kind);
+             TORCH_CHECK(kind >= FLOAT && kind <= BLOCKS16, "unknown product kind ", kind);
              TORCH_CHECK(packed.size() == scales_zeros.size(), "one scales_zeros per packed plane");
              TORCH_CHECK(kind != INT4_TORCH || !packed.empty(), "an int4 product needs its planes");
              return Product{kind, weight, fmt, packed, scales_zeros, out_rows, in_features, solo};

@@ -13,8 +13,8 @@ from specdec.defaults import models_dir
 from specdec.int4 import (
     HEAD_PROBE_SIZES,
     INT4,
-    Codes,
     KERNELS,
+    Codes,
     Int4Weight,
     quantize_q4_1,
     quantize_q8_0,

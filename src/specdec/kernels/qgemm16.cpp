@@ -49,8 +49,12 @@ constexpr int TILE = 8;
 // (576 x 1536) products, tiles against blocked: 32 rows 22.3 / 6.5 / 9.9 against 21.9 / 6.7 / 12.6; 64 rows
 // 21.9 / 6.6 / 9.9 against 16.4 / 5.0 / 8.9; 256 rows 21.8 / 6.8 / 10.3 against 13.2 / 3.9 / 6.2.
 constexpr int64_t BLOCKED_MIN_ROWS = 48;
-constexpr int64_t NR = 32;  // weight rows a panel of the blocked kernel (two vectors of 16 lanes)
-constexpr int MR = 6;       // activation rows a tile of the blocked kernel (12 accumulators)
+// The blocked kernel's tile: NR weight rows (NV vectors of 16 lanes) by MR activation rows, MR * NV accumulators.
+// (Four vectors, 24 dot products for 10 loads, ran slower on a 2-core Zen 4: 0.52-0.74x the float kernel's time
+// at 256 rows against 0.52-0.56x with two, measured alternately.)
+constexpr int NV = 2;
+constexpr int64_t NR = 16 * NV;
+constexpr int MR = 6;
 
 // One block of weights as 32 bfloat16 words (position l in word l).
 template <Fmt F>
@@ -147,7 +151,7 @@ void tile16(const Args& a, const uint16_t* xp, int64_t r0, int64_t n0) {
     for (int j = 0; j < NB; ++j) a.out[(r0 + r) * a.N + n0 + j] = reduce16(acc[r][j]);
 }
 
-constexpr int nb16(int mt) { return mt == 1 ? 4 : 2; }  // at least 4 independent chains (vdpbf16ps: latency ~6)
+constexpr int nb16(int /*mt*/) { return 2; }  // two weight rows a group (one row alone: a vdpbf16ps chain, latency ~6)
 
 template <Fmt F, int MT>
 void rows16(const Args& a, const uint16_t* xp, int64_t r0, int64_t n0, int64_t n1) {
@@ -226,26 +230,24 @@ void tile_t16(const uint32_t* xt, const uint32_t* wt, int64_t KB, float* out, in
               int64_t nc) {
   alignas(64) float S[QK / 2][MT][NR];
   for (int i = 0; i < QK / 2; ++i) {
-    __m512 acc[MT][2];
-    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[MT][NV];
+    for (int r = 0; r < MT; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
     const uint32_t* wi = wt + i * KB * NR;
     const uint32_t* xi = xt + i * KB * MR;
     for (int64_t b = 0; b < KB; ++b) {
-      const __m512i w0 = _mm512_loadu_si512(wi + b * NR);
-      const __m512i w1 = _mm512_loadu_si512(wi + b * NR + 16);
+      __m512i w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wi + b * NR + 16 * v);
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xi[b * MR + r]));
-        acc[r][0] = dot(acc[r][0], xv, w0);
-        acc[r][1] = dot(acc[r][1], xv, w1);
+        for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], xv, w[v]);
       }
     }
-    for (int r = 0; r < MT; ++r) {
-      _mm512_store_ps(S[i][r], acc[r][0]);
-      _mm512_store_ps(S[i][r] + 16, acc[r][1]);
-    }
+    for (int r = 0; r < MT; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(S[i][r] + 16 * v, acc[r][v]);
   }
   for (int r = 0; r < MT; ++r) {
-    for (int h = 0; h < 2; ++h) {  // weight rows 16h..16h+15 of the panel, one a lane
+    for (int h = 0; h < NV; ++h) {  // weight rows 16h..16h+15 of the panel, one a lane
       __m512 T[8], U[4], V[2];
       for (int i = 0; i < 8; ++i) T[i] = _mm512_add_ps(_mm512_load_ps(S[i][r] + 16 * h), _mm512_load_ps(S[i + 8][r] + 16 * h));
       for (int i = 0; i < 4; ++i) U[i] = _mm512_add_ps(T[i], T[i + 4]);

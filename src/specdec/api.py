@@ -60,9 +60,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     "first", in the order of recent tokens per round in the request, untried first), or
     "auto": "first" when a feature prophet is among several, else "tree".
     draft_dtype: the prophet's weights (default: bfloat16 where the CPU has native bf16,
-    else float32). A prophet's precision never affects exactness (the verifier tests the q
-    it sampled from), only its speed and acceptance; bfloat16 halves the bytes its head
-    reads each step.
+    else float32; a feature prophet whose head reads an int4 target's blocks, such as
+    smollm2's eagle, float32, which drafts faster there). A prophet's precision never affects
+    exactness (the verifier tests the q it sampled from), only its speed and acceptance;
+    bfloat16 halves the bytes a float head reads each step.
     dtype: the target's weights: None (default: "int4" for a GGUF target such as smollm2 on
     the CPU, whose file holds 4-bit weights; float32 for every other model), torch.float32,
     torch.bfloat16, or "int4" (the lean path multiplies 4-bit weights natively on the CPU: a
@@ -96,7 +97,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
         attach_int4(model, target_name, backend, where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend)
-    prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype or default_draft_dtype(where),
+    prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype,
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
     decoder = SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))

@@ -82,8 +82,9 @@ def kernel_choice() -> str:
       alternated in one process: greedy, the default prophets 78.6 tokens/s on blocks16, 71.1 on
       blocks, 64.6 on torch (plain 75.7 / 66.4 / 64.9); temperature 1: 79.1 / 69.7 / 67.6. A
       prompt is read 1.5x faster in bfloat16 (671 tokens: 0.77 s against 1.17 s) and a 5-token
-      verification pass's layer products take 0.6x the float kernel's; a one-token step costs
-      the same within 3%;
+      verification pass's products take 0.8-1.0x the float kernel's, but a one-token step costs
+      more (plain decoding after short prompts 0.87x blocks' speed, the default prophets 0.93x:
+      where prompts are short and decoding dominates, "blocks" is faster);
     - without AVX-512 (a 2-core AMD EPYC Zen 3, AVX2 only), PyTorch's kernel has no fast path:
       SmolLM2's products cost 1.3-1.5x the blocks kernel's for one row and 1.5-1.7x for five
       (a verification pass), and its bfloat16 activations round more;

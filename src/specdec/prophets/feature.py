@@ -151,15 +151,16 @@ class FeatureProphet:
                  vocab_size: int, name: str = "feature", dtype: torch.dtype = torch.float32,
                  block_head: Any = None) -> None:
         """block_head: the target's head rows of the draft vocabulary on a 4-bit block kernel
-        (`Int4Weight.block_rows`), multiplied instead of the float rows where given (float32):
-        a draft step reads 5 MB of SmolLM2's Q8_0 head rows instead of 19 MB of float32, and
-        the float rows are not kept."""
+        (`Int4Weight.block_rows`), multiplied instead of the float rows where given (whatever
+        `dtype` the prophet's own layers run in: the block kernel takes float32 activations):
+        a draft step reads 5 MB of SmolLM2's Q8_0 head rows instead of 19 MB of float32 (9 MB
+        of bfloat16), and the float rows are not kept."""
         self.head = head.to(device=embed.device, dtype=dtype).eval()  # on the target's device
         self.name = name
         self.vocab_size: int | None = vocab_size
         self.embed = embed  # (V, D) the target's, shared
         self.vocab_ids = vocab_ids.to(embed.device)  # (N,) the draft vocabulary
-        self.block_head = block_head if dtype == torch.float32 else None
+        self.block_head = block_head
         # (N, D) the head's rows of the draft vocabulary, in float, unless the block rows are multiplied
         self.sub_head = None if self.block_head is not None else lm_head[vocab_ids].to(dtype).contiguous()
         self.dtype = dtype

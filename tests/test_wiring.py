@@ -69,3 +69,18 @@ def test_default_prophets():
     assert default_target() == "smollm2"
     assert default_prophet_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
     assert default_prophet_for("some/other-model") == "none"
+
+
+def test_draft_dtype_takes_a_dtype_or_its_name_and_refuses_anything_else(tiny_pair, monkeypatch):
+    """load(draft_dtype=...): a torch float dtype or "float32" / "bfloat16" / "float16" / "auto" /
+    "default"; anything else is a ValueError that lists the choices, raised before a model loads."""
+    import specdec.api as api
+
+    decoder = load(tiny_pair["target"], draft=tiny_pair["close"], draft_dtype="bfloat16")
+    assert decoder.prophets[0].lm.model.dtype == torch.bfloat16
+    assert api.resolve_draft_dtype("float32") is torch.float32 and api.resolve_draft_dtype("default") is None
+    assert api.resolve_draft_dtype(torch.float16) is torch.float16
+    monkeypatch.setattr(api, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    for bad in ("int4", "fp32", torch.int8, 16):
+        with pytest.raises(ValueError, match="draft_dtype must be a float torch dtype or one of default"):
+            load(tiny_pair["target"], draft_dtype=bad)

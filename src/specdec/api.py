@@ -37,7 +37,7 @@ __all__ = ["batch_engine", "default_draft_dtype", "load", "resolve_device", "res
 def load(target: str | None = None, draft: str | None = "default", policy: str = "auto",
          draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
-         draft_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+         draft_dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          prefix_cache_mb: float = 0.0) -> SpeculativeDecoder:
     """A decoder for `target` with the prophet(s) described by `draft`.
 
@@ -87,6 +87,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     if draft_tokens is None:
         draft_tokens = 4
     where = resolve_device(device)
+    draft_dtype = resolve_draft_dtype(draft_dtype)  # before anything loads: a bad name fails at once
     weights = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     int4 = weights == INT4  # float32 weights, then the 4-bit products beside them
     model, tokenizer = load_pretrained(target_name, torch.float32 if int4 or weights is None else weights,
@@ -103,6 +104,20 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))
     decoder.prefix_cache_mb = prefix_mb
     return decoder
+
+
+def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`load`'s draft_dtype: None or "default" (the prophets' own default), a float dtype, or
+    its name ("float32", "bfloat16", "float16", "auto": bfloat16 where the CPU computes it natively)."""
+    if draft_dtype is None or isinstance(draft_dtype, torch.dtype) and draft_dtype.is_floating_point:
+        return draft_dtype
+    names = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(draft_dtype, str) and draft_dtype in names:
+        return names[draft_dtype]
+    if draft_dtype == "auto":
+        return default_draft_dtype()
+    raise ValueError(f"draft_dtype must be a float torch dtype or one of default, float32, bfloat16, float16, auto; "
+                     f"got {draft_dtype!r}")
 
 
 def check_prefix_cache_mb(mb: object) -> float:

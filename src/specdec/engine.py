@@ -312,7 +312,8 @@ class SpeculativeDecoder:
         The version changes when a step itself does (6: the blocks kernel's panels and the C++
         loop's attention on raw buffers; 7: eagle's head on the target's blocks; 8: the blocks kernel's
         prefetch and register-blocked products of many rows; 9: costs measured under load are no longer
-        stored, so those stored before may be such; 10: 6-7 row products without panels, a full tile first), so that
+        stored, so those stored before may be such; 10: 6-7 row products without panels, a full tile first; 11: each
+        prophet's dtype and head in the key, eagle's head on the target's blocks whatever its dtype), so that
         costs stored before are measured again."""
         import platform
 
@@ -321,11 +322,11 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        return {"version": 10, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 11, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "device": str(self.target.device),
-                "prophets": [f"{type(d).__name__}:{d.name}" for d in self.prophets], "multi": self.multi,
+                "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
                 "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
@@ -424,3 +425,10 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         return ids
 
+
+def _prophet_key(prophet: Any) -> str:
+    """What a prophet's step costs depend on: its kind, name, dtype and (a feature prophet) whether its
+    head multiplies the target's 4-bit blocks or float rows."""
+    dtype = str(getattr(prophet, "dtype", "")).removeprefix("torch.")
+    head = "" if getattr(prophet, "block_head", None) is None else ":block-head"
+    return f"{type(prophet).__name__}:{prophet.name}" + (f":{dtype}" if dtype else "") + head

@@ -150,14 +150,14 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     got = prophet.draft_logits(h)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # its own layers in float32 by default (they draft faster there), in the caller's dtype when chosen
-    assert prophet.dtype == torch.float32
-    bf16 = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), draft_dtype=torch.bfloat16)
-    chosen = bf16.prophets[0]
-    assert chosen.dtype == torch.bfloat16 and chosen.block_head is not None
+    # whatever the dtype of its own layers (default_draft_dtype, or the caller's)
+    other = torch.float32 if prophet.dtype == torch.bfloat16 else torch.bfloat16
+    other_decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), draft_dtype=other)
+    chosen = other_decoder.prophets[0]
+    assert chosen.dtype == other and chosen.block_head is not None
     # their step costs are stored apart (a prophet's dtype and head are in the key)
-    assert bf16.costs_key()["prophets"] != decoder.costs_key()["prophets"]
-    h16 = h.bfloat16()
+    assert other_decoder.costs_key()["prophets"] != decoder.costs_key()["prophets"]
+    h16 = h.to(other)
     assert torch.equal(chosen.draft_logits(h16), prophet.block_head.mm(h16.float()))
 
 

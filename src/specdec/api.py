@@ -60,10 +60,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     "first", in the order of recent tokens per round in the request, untried first), or
     "auto": "first" when a feature prophet is among several, else "tree".
     draft_dtype: the prophet's weights (default: bfloat16 where the CPU has native bf16,
-    else float32; a feature prophet whose head reads an int4 target's blocks, such as
-    smollm2's eagle, float32, which drafts faster there). A prophet's precision never affects
-    exactness (the verifier tests the q it sampled from), only its speed and acceptance;
-    bfloat16 halves the bytes a float head reads each step.
+    else float32). A prophet's precision never affects exactness (the verifier tests the q
+    it sampled from), only its speed and acceptance; bfloat16 halves the bytes a float head
+    reads each step (a feature prophet on an int4 target's head blocks reads those instead).
     dtype: the target's weights: None (default: "int4" for a GGUF target such as smollm2 on
     the CPU, whose file holds 4-bit weights; float32 for every other model), torch.float32,
     torch.bfloat16, or "int4" (the lean path multiplies 4-bit weights natively on the CPU: a

@@ -192,7 +192,6 @@ class Wiring:
     retrieval_index: str | None = None
     backend: str = "auto"
     device: torch.device = torch.device("cpu")
-    dtype_chosen: bool = False  # dtype was the caller's (`draft_dtype`), not default_draft_dtype's
 
 
 @dataclass(frozen=True)
@@ -239,11 +238,9 @@ def build_prophets(spec: str | None, target: Any, tokenizer: Any, dtype: torch.d
                    trust_remote_code: bool = False, retrieval_index: str | None = None,
                    backend: str = "auto") -> list[Prophet]:
     """Prophets for a `--draft` spec, each built by the first registered kind that claims it.
-    dtype: the prophets' weights; None: `default_draft_dtype` of the target's device, except a
-    feature prophet whose head reads the target's 4-bit blocks, which runs in float32 (see `_feature`)."""
-    chosen = dtype is not None
+    dtype: the prophets' weights; None: `default_draft_dtype` of the target's device."""
     wiring = Wiring(target, tokenizer, dtype if dtype is not None else default_draft_dtype(target.device),
-                    trust_remote_code, retrieval_index, backend, target.device, chosen)
+                    trust_remote_code, retrieval_index, backend, target.device)
     prophets = []
     for part in parse_draft(spec):
         kind = next(k for k in _REGISTRY if k.claims(part))
@@ -331,14 +328,8 @@ def _feature(part: str, w: Wiring) -> Prophet:
         from specdec.prophets.layerskip import AdaptedExitProphet
 
         return AdaptedExitProphet(w.target, head, vocab_ids, name=short_name(part), dtype=w.dtype)
-    block_head = _block_head(w.target, vocab_ids)
-    # With its head on the target's blocks, float32 layers drafted faster than bfloat16 ones even where the CPU
-    # computes bfloat16 natively (eagle with the default prophets, 10 Spec-Bench dev questions x 128 tokens on a
-    # 2-core Zen 4 with avx512_bf16, alternated: 145.7 / 156.8 against 144.1 / 150.2 tokens/s greedy in two runs,
-    # 114.5 / 122.7 against 109.1 / 116.6 at T=1): unless the caller chose a dtype, such a prophet runs in float32.
-    dtype = w.dtype if w.dtype_chosen or block_head is None else torch.float32
     return FeatureProphet(head, w.target.embeddings(), lm_head, vocab_ids, w.target.vocab_size,
-                          name=short_name(part), dtype=dtype, block_head=block_head)
+                          name=short_name(part), dtype=w.dtype, block_head=_block_head(w.target, vocab_ids))
 
 
 def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:

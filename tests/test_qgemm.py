@@ -150,10 +150,14 @@ def test_rows_are_invariant(fmt: str, n: int, k: int, threads: Callable[[int], N
     assert_rows_invariant(mm, make(n, k, seed=11), k, threads, ["auto"])
 
 
+ROW_COUNTS = (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 40)
+
+
 def assert_rows_invariant(mm: Callable[..., torch.Tensor], blocks: torch.Tensor, k: int,
-                          threads: Callable[[int], None], impls: list[str]) -> None:
-    """A random row multiplied alone (1 thread) has the bits of that row in products of 2..9, 17
-    and 15-17 and 40 random rows, with 1 and 2 threads, on each implementation in impls."""
+                          threads: Callable[[int], None], impls: list[str],
+                          sizes: tuple[int, ...] = ROW_COUNTS) -> None:
+    """A random row multiplied alone (1 thread) has the bits of that row in products of `sizes`
+    random rows (by default 2..9, 15-17 and 40), with 1 and 2 threads, on each implementation in impls."""
     g = torch.Generator().manual_seed(3)
     row = torch.randn(1, k, generator=g)
     threads(1)
@@ -161,7 +165,7 @@ def assert_rows_invariant(mm: Callable[..., torch.Tensor], blocks: torch.Tensor,
     for t in (1, 2):
         threads(t)
         assert torch.equal(mm(row, blocks)[0], alone)
-        for m in (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 40):
+        for m in sizes:
             x = torch.randn(m, k, generator=g) * float(torch.rand(1, generator=g) * 10)
             at = int(torch.randint(0, m, (1,), generator=g))
             x[at] = row[0]

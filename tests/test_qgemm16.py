@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from specdec import qgemm
-from tests.test_qgemm import q4_1_blocks, q8_0_blocks
+from tests.test_qgemm import ROW_COUNTS, assert_rows_invariant, q4_1_blocks, q8_0_blocks
 
 pytestmark = pytest.mark.skipif(not qgemm.available() or not qgemm.has_bf16_kernel(),
                                 reason="no bfloat16 kernel here (needs the extension and a CPU with avx512_bf16)")
@@ -75,19 +75,8 @@ def test_rows_are_invariant(fmt: str, n: int, k: int, threads: Callable[[int], N
     """Row r of a product has the bits of that row alone, whatever the other rows, the row count (one tile,
     several, the register-blocked kernel) and the thread count."""
     make, mm, _ = FORMATS[fmt]
-    blocks = make(n, k, seed=11)
-    g = torch.Generator().manual_seed(3)
-    row = torch.randn(1, k, generator=g)
-    threads(1)
-    alone = mm(row, blocks)[0]
-    for t in (1, 2):
-        threads(t)
-        assert torch.equal(mm(row, blocks)[0], alone)
-        for m in (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 23, 24, 47, 48, 49, 64):
-            x = torch.randn(m, k, generator=g) * float(torch.rand(1, generator=g) * 10)
-            at = int(torch.randint(0, m, (1,), generator=g))
-            x[at] = row[0]
-            assert torch.equal(mm(x, blocks)[at], alone), (t, m, at)
+    sizes = (*ROW_COUNTS, 23, 24, 47, 48, 49, 64)  # and across the register-blocked kernel's threshold (48)
+    assert_rows_invariant(lambda x, b, impl="auto": mm(x, b), make(n, k, seed=11), k, threads, ["auto"], sizes)
 
 
 def test_shapes_casts_and_bad_inputs() -> None:

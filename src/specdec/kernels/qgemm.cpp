@@ -655,19 +655,9 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
 torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl_arg) {
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
   const char* name = fmt == Q4_1 ? "q4_1_mm" : "q8_0_mm";
+  check_product_args(x, blocks, fmt, name);
   const int64_t bytes = fmt == Q4_1 ? 20 : 34;
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": tensors must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, name, ": x must be 2-D (M, K), got ", x.dim(), " dimensions");
-  TORCH_CHECK(x.is_contiguous(), name, ": x must be contiguous");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8, got ", blocks.scalar_type());
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == bytes, name, ": blocks must have shape (N, K/32, ", bytes,
-              "), got ", blocks.sizes());
-  TORCH_CHECK(blocks.is_contiguous(), name, ": blocks must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(blocks.size(1) * QK == K, name, ": blocks hold K = ", blocks.size(1) * QK,
-              " inputs a row, x has K = ", K);
   Impl impl = impl_arg == AUTO ? best_impl() : static_cast<Impl>(impl_arg);
   TORCH_CHECK(compiled(impl), name, ": implementation ", impl_arg, " is not compiled in this build");
   auto out = torch::empty({M, N}, x.options());

@@ -319,19 +319,9 @@ torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
   const char* name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
   TORCH_CHECK(compiled16(), name, ": this build has no AVX-512 BF16 kernel (the CPU lacks avx512_bf16)");
+  check_product_args(x, blocks, fmt, name);
   const int64_t bytes = fmt == Q4_1 ? 20 : 34;
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": tensors must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, name, ": x must be 2-D (M, K), got ", x.dim(), " dimensions");
-  TORCH_CHECK(x.is_contiguous(), name, ": x must be contiguous");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8, got ", blocks.scalar_type());
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == bytes, name, ": blocks must have shape (N, K/32, ", bytes,
-              "), got ", blocks.sizes());
-  TORCH_CHECK(blocks.is_contiguous(), name, ": blocks must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(blocks.size(1) * QK == K, name, ": blocks hold K = ", blocks.size(1) * QK,
-              " inputs a row, x has K = ", K);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();

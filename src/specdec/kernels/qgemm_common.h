@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/util/Half.h>
+#include <torch/extension.h>
 
 #include <cstdint>
 #include <cstring>
@@ -46,6 +47,24 @@ std::vector<std::pair<int64_t, int>> row_tiles(int64_t M, int single, int tile) 
     r0 = r1;
   }
   return tiles;
+}
+
+// The checks every product entry point (qmm, qmm8, qmm16) makes of x (M, K) float32 and blocks (N, K/32, bytes):
+// errors named after the entry point `name`.
+inline void check_product_args(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, const char* name) {
+  const int64_t bytes = fmt == Q4_1 ? 20 : 34;
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, name, ": x must be 2-D (M, K), got ", x.dim(), " dimensions");
+  TORCH_CHECK(x.is_contiguous(), name, ": x must be contiguous");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8, got ", blocks.scalar_type());
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == bytes, name, ": blocks must have shape (N, K/32, ", bytes,
+              "), got ", blocks.sizes());
+  TORCH_CHECK(blocks.is_contiguous(), name, ": blocks must be contiguous");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(blocks.size(1) * QK == K, name, ": blocks hold K = ", blocks.size(1) * QK,
+              " inputs a row, x has K = ", K);
 }
 
 }  // namespace

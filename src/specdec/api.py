@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -110,11 +111,11 @@ def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | 
     its name ("float32", "bfloat16", "float16", "auto": bfloat16 where the CPU computes it natively)."""
     if draft_dtype is None or isinstance(draft_dtype, torch.dtype) and draft_dtype.is_floating_point:
         return draft_dtype
-    names = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if isinstance(draft_dtype, str) and draft_dtype in names:
-        return names[draft_dtype]
-    if draft_dtype == "auto":
-        return default_draft_dtype()
+    if draft_dtype == "float16":
+        return torch.float16
+    if isinstance(draft_dtype, str) and draft_dtype != "int4":  # the targets' names, but 4-bit
+        with contextlib.suppress(ValueError):
+            return resolve_dtype(draft_dtype)
     raise ValueError(f"draft_dtype must be a float torch dtype or one of default, float32, bfloat16, float16, auto; "
                      f"got {draft_dtype!r}")
 

@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -78,11 +79,6 @@ def _cpu_flags() -> str:
             if model and flags:
                 break
     return f"{model}|{flags}"
-
-
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (avx512f): where PyTorch's int4 kernel has its fast path."""
-    return "avx512f" in _cpu_flags().partition("|")[2].split()
 
 
 def build_name() -> str:
@@ -191,17 +187,23 @@ def _require() -> ModuleType:
 def _mm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, impl: str, int8: bool = False) -> torch.Tensor:
     module = _module if _module is not None else _require()
     entry = module.qmm8 if int8 else module.qmm
-    if impl == "auto" and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-        return entry(x, blocks, fmt, 0)  # type: ignore[no-any-return]  # the common case, no copies
+    if impl == "auto":
+        return _on_rows(entry, x, blocks, fmt, 0)
     impls = _IMPLS8 if int8 else _IMPLS
     if impl not in impls:
         raise ValueError(f"impl must be one of {sorted(impls)}, got {impl!r}")
+    return _on_rows(entry, x, blocks, fmt, impls[impl])
+
+
+def _on_rows(entry: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """entry(x2, *args) for x (..., K) taken as float32 contiguous rows x2 (M, K), the (M, N) result
+    shaped back to (..., N)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return entry(x, *args)  # type: ignore[no-any-return]  # the common case, no copies
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (..., K)")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    out: torch.Tensor = entry(x2, blocks, fmt, impls[impl])
-    return out.reshape(*lead, out.shape[-1])
+    out: torch.Tensor = entry(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous(), *args)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -242,13 +244,7 @@ def q8_0_mm16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _mm16(x: torch.Tensor, blocks: torch.Tensor, fmt: int) -> torch.Tensor:
-    module = _module if _module is not None else _require()
-    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-        return module.qmm16(x, blocks, fmt)  # type: ignore[no-any-return]
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension (..., K)")
-    out: torch.Tensor = module.qmm16(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous(), blocks, fmt)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, blocks, fmt)
 
 
 def has_bf16_kernel() -> bool:

@@ -107,8 +107,8 @@ void to_bf16(const float* x, int64_t n, uint16_t* out) {
   }
 }
 
+// One product's weights and output (the activations, in bfloat16, are passed beside it: row-major or repacked).
 struct Args {
-  const uint16_t* xb;  // activations in bfloat16: (M, K) row-major, or repacked by tiles (see pack_tile16)
   const uint8_t* w;    // (N, K/32, bytes)
   float* out;          // (M, N)
   int64_t K;
@@ -176,7 +176,7 @@ void dispatch16(const Args& a, const uint16_t* xp, int64_t r0, int mt, int64_t n
 }
 
 template <Fmt F>
-void run_tiles(const uint16_t* xb, int64_t M, Args a) {
+void run_tiles(const uint16_t* xb, int64_t M, const Args& a) {
   const auto tiles = row_tiles(M, SINGLE, TILE);
   std::vector<uint16_t> xp(static_cast<size_t>(M * a.K));
   for (const auto& t : tiles) pack_tile16(xb, a.K, t.first, t.second, xp.data());
@@ -294,11 +294,9 @@ void run_blocked(const uint16_t* xb, int64_t M, const Args& a) {
 }
 
 template <Fmt F>
-void run(const float* x, int64_t M, const Args& base) {
-  std::vector<uint16_t> xb(static_cast<size_t>(M * base.K));
-  to_bf16(x, M * base.K, xb.data());
-  Args a = base;
-  a.xb = xb.data();
+void run(const float* x, int64_t M, const Args& a) {
+  std::vector<uint16_t> xb(static_cast<size_t>(M * a.K));
+  to_bf16(x, M * a.K, xb.data());
   if (M >= BLOCKED_MIN_ROWS) return run_blocked<F>(xb.data(), M, a);
   run_tiles<F>(xb.data(), M, a);
 }
@@ -326,7 +324,7 @@ torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
 #ifdef QGEMM16
-  const mm16::Args a{nullptr, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), K, N, K / QK * bytes};
+  const mm16::Args a{blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), K, N, K / QK * bytes};
   if (fmt == Q4_1)
     mm16::run<Q4_1>(x.data_ptr<float>(), M, a);
   else

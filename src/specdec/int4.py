@@ -114,28 +114,42 @@ def kernel_choice() -> str:
 
 _BLOCK_PRODUCTS = {("blocks", "Q4_1"): "q4_1_mm", ("blocks", "Q8_0"): "q8_0_mm",
                    ("blocks8", "Q4_1"): "q4_1_mm8", ("blocks8", "Q8_0"): "q8_0_mm8",
-                   ("blocks16", "Q4_1"): "q4_1_mm16"}
+                   ("blocks16", "Q4_1x16"): "q4_1_mm16"}
 
 
 def block_kernel(kernel: str, kind: str) -> str:
     """The kernel a weight of block kind `kind` ("Q4_1", "Q8_0") runs on under `kernel`:
-    "blocks16" multiplies Q4_1 blocks in bfloat16 and leaves Q8_0 ones (SmolLM2's head) on
-    the float kernel, whose one-row products read them faster (de-quantizing 8-bit codes to
-    bfloat16 costs more than the memory they come from: 1.4x the float kernel's time for one
-    row of the 49152 x 576 head, measured on a 2-core AMD EPYC Zen 4)."""
+    "blocks16" multiplies Q4_1 weights (in panels of 16 rows) in bfloat16 and leaves Q8_0 ones
+    (SmolLM2's head) on the float kernel, which reads them faster than turning 8-bit codes into
+    bfloat16 costs (1.4x its time for one row of the 49152 x 576 head, measured on a 2-core AMD
+    EPYC Zen 4)."""
     return "blocks" if kernel == "blocks16" and kind == "Q8_0" else kernel
 
 
 @dataclass
 class Blocks:
     """A whole (N, K) weight as GGUF blocks, for `specdec.qgemm`'s kernel: kind "Q4_1"
-    (N, K/32, 20) or "Q8_0" (N, K/32, 34) uint8, the file's own bytes (rows in Hugging Face's order)."""
+    (N, K/32, 20) or "Q8_0" (N, K/32, 34) uint8, the file's own bytes (rows in Hugging Face's order),
+    or "Q4_1x16": the same bytes regrouped in panels of 16 rows for the bfloat16 kernel
+    (N/16, K/32, 320, rows of zeros added up to a multiple of 16; `qgemm.panel_q4_1`)."""
 
     kind: str
     data: torch.Tensor
 
+    def file_blocks(self) -> Blocks:
+        """These weights in the file's layout (kind "Q4_1" or "Q8_0"; panels' rows of zeros kept)."""
+        return Blocks("Q4_1", qgemm.unpanel_q4_1(self.data)) if self.kind == "Q4_1x16" else self
+
     def rows(self, index: torch.Tensor) -> Blocks:
-        return Blocks(self.kind, self.data[index])
+        """Rows `index` in that order, in the file's layout."""
+        blocks = self.file_blocks()
+        return Blocks(blocks.kind, blocks.data[index])
+
+    def for_kernel(self, kernel: str) -> Blocks:
+        """These weights in the layout `kernel` reads (`block_kernel`): panels for "blocks16"."""
+        if kernel == "blocks16" and self.kind == "Q4_1":
+            return Blocks("Q4_1x16", qgemm.panel_q4_1(self.data))
+        return self if kernel == "blocks16" or self.kind != "Q4_1x16" else self.file_blocks()
 
 
 @dataclass
@@ -188,12 +202,11 @@ class Int4Weight:
         self.shape = torch.Size((n, k))
         self.out_rows = n  # rows returned: the first `out_rows` (see first_rows)
         self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        kernel = kernel_choice()
-        self.blocks: Blocks | None = planes[0].blocks if kernel != "torch" else None
-        self.kernel = block_kernel(kernel, self.blocks.kind) if self.blocks is not None else "torch"
-        # the qgemm function of this kernel and block kind, chosen once (looked up by name: profilers wrap it)
-        self.block_product = _BLOCK_PRODUCTS[(self.kernel, self.blocks.kind)] if self.blocks is not None else ""
-        if self.blocks is not None:
+        self.family = kernel_choice()  # the kernel asked for (block_kernel: the one each weight runs on)
+        self.blocks: Blocks | None = None
+        self.kernel, self.block_product = "torch", ""
+        if self.family != "torch" and planes[0].blocks is not None:
+            self._set_blocks(planes[0].blocks)
             return
         pad = -n % _ROWS_ALIGN
         with torch.no_grad():
@@ -214,12 +227,22 @@ class Int4Weight:
             return self.blocks.data.numel()
         return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.planes)
 
+    def _set_blocks(self, blocks: Blocks) -> None:
+        """Multiply from `blocks`: the kernel for their kind and rows, in the layout it reads, and its
+        qgemm function (chosen once; looked up by name, as profilers wrap it)."""
+        self.kernel = block_kernel(self.family, "Q4_1" if blocks.kind == "Q4_1x16" else blocks.kind)
+        self.blocks = blocks.for_kernel(self.kernel)
+        self.block_product = _BLOCK_PRODUCTS[(self.kernel, self.blocks.kind)]
+
     def first_rows(self, n: int) -> Int4Weight:
         """The same weights, products returning their first n rows only (a head sliced to the vocabulary)."""
         if n == self.out_rows:
             return self
         # the rows past n are never multiplied
-        return self._with_rows(n, Blocks(self.blocks.kind, self.blocks.data[:n]) if self.blocks is not None else None)
+        if self.blocks is None:
+            return self._with_rows(n, None)
+        blocks = self.blocks.file_blocks()
+        return self._with_rows(n, Blocks(blocks.kind, blocks.data[:n]))
 
     def block_rows(self, index: torch.Tensor) -> Int4Weight | None:
         """The weight's rows `index` (in that order) as a weight of their own on the same block
@@ -233,13 +256,16 @@ class Int4Weight:
         """This weight returning n rows, multiplied from `blocks` (everything else shared)."""
         other = object.__new__(Int4Weight)
         other.__dict__.update(self.__dict__)
-        other.out_rows, other.shape, other.blocks = n, torch.Size((n, self.shape[1])), blocks
+        other.out_rows, other.shape = n, torch.Size((n, self.shape[1]))
+        if blocks is not None:
+            other._set_blocks(blocks)
         return other
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         """flat (M, K) -> (M, out_rows) float32 (flat bfloat16 for PyTorch's kernel, float32 for the blocks')."""
         if self.blocks is not None:
-            return getattr(qgemm, self.block_product)(flat, self.blocks.data)  # type: ignore[no-any-return]
+            full: torch.Tensor = getattr(qgemm, self.block_product)(flat, self.blocks.data)
+            return full if full.shape[1] == self.out_rows else full[:, : self.out_rows]  # panels' rows of zeros
         out: torch.Tensor | None = None
         for packed, scales_zeros in self.planes:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros).float()

@@ -231,20 +231,48 @@ def q8_0_mm8(x: torch.Tensor, blocks: torch.Tensor, impl: str = "auto") -> torch
     return _mm(x, blocks, 1, impl, int8=True)
 
 
-def q4_1_mm16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """As `q4_1_mm`, with x and the de-quantized weights rounded to bfloat16 (round to nearest
-    even) and multiplied by AVX-512 BF16 dot products (vdpbf16ps) accumulating in float32; rows
-    invariant by construction (see qgemm16.cpp). Only where `has_bf16_kernel()`."""
-    return _mm16(x, blocks, 0)
+def q4_1_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) float32 on the bfloat16 kernel, W given as Q4_1 panels
+    (N/16, K/32, 320) (`panel_q4_1`). x is rounded to bfloat16 (round to nearest even); the
+    weights are exact (w = d q + m: the codes' dot products with x by AVX-512 BF16 instructions,
+    accumulating in float32, then d and m applied per block); rows invariant by construction
+    (see qgemm16.cpp). Only where `has_bf16_kernel()`."""
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 0)
 
 
-def q8_0_mm16(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """As `q8_0_mm`, on the bfloat16 kernel (see `q4_1_mm16`)."""
-    return _mm16(x, blocks, 1)
+PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel
+PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 16 pairs x 16 rows of codes
 
 
-def _mm16(x: torch.Tensor, blocks: torch.Tensor, fmt: int) -> torch.Tensor:
-    return _on_rows((_module if _module is not None else _require()).qmm16, x, blocks, fmt)
+def panel_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (N, K/32, 20) -> the bfloat16 kernel's panels (N/16, K/32, 320), the same bytes
+    regrouped by 16 weight rows: per block the 16 rows' d, their m, then for each pair i of
+    positions (2i, 2i+1) one byte a row, q[2i] | q[2i+1] << 4. Rows of zeros (d = m = 0) make N a
+    multiple of 16: the product's columns past N are zeros."""
+    _check_blocks(blocks, Q4_1_BYTES)
+    if blocks.shape[0] % PANEL_ROWS:
+        pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
+        blocks = torch.cat([blocks, pad])
+    n, kb, _ = blocks.shape
+    b = blocks.reshape(n // PANEL_ROWS, PANEL_ROWS, kb, Q4_1_BYTES).transpose(1, 2)  # (P, KB, 16 rows, 20)
+    d = b[..., 0:2].reshape(*b.shape[:2], 32)
+    m = b[..., 2:4].reshape(*b.shape[:2], 32)
+    q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1)  # (P, KB, 16 rows, 32 positions)
+    pairs = (q[..., 0::2] | (q[..., 1::2] << 4)).transpose(-1, -2)  # (P, KB, 16 pairs, 16 rows)
+    return torch.cat([d, m, pairs.reshape(*b.shape[:2], 256)], dim=-1).contiguous()
+
+
+def unpanel_q4_1(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of `panel_q4_1`: panels (N/16, K/32, 320) -> Q4_1 blocks (N, K/32, 20)."""
+    if panels.dtype != torch.uint8 or panels.dim() != 3 or panels.shape[2] != PANEL_BLOCK:
+        raise ValueError(f"panels must be uint8 (N/16, K/32, {PANEL_BLOCK}), got {panels.dtype} {tuple(panels.shape)}")
+    p, kb, _ = panels.shape
+    d = panels[..., 0:32].reshape(p, kb, PANEL_ROWS, 2)
+    m = panels[..., 32:64].reshape(p, kb, PANEL_ROWS, 2)
+    pairs = panels[..., 64:].reshape(p, kb, 16, PANEL_ROWS).transpose(-1, -2)  # (P, KB, 16 rows, 16 pairs)
+    q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(p, kb, PANEL_ROWS, QK)
+    b = torch.cat([d, m, q[..., :16] | (q[..., 16:] << 4)], dim=-1)  # (P, KB, 16 rows, 20)
+    return b.transpose(1, 2).reshape(p * PANEL_ROWS, kb, Q4_1_BYTES).contiguous()
 
 
 def has_bf16_kernel() -> bool:

@@ -236,15 +236,18 @@ struct Product {
 
   // flat (M, K) in the kernel's activation dtype, contiguous -> (M, out_rows) float32 (`Int4Weight._product`)
   torch::Tensor product(const torch::Tensor& flat) const {
+    torch::Tensor out;
     if (kind == BLOCKS || kind == BLOCKS8 || kind == BLOCKS16) {
       RECORD_FUNCTION("specdec_qgemm", std::vector<c10::IValue>());  // named for scripts/step-profile
-      if (kind == BLOCKS16) return qgemm_blocks_mm16(flat, weight, fmt);
-      return kind == BLOCKS ? qgemm_blocks_mm(flat, weight, fmt) : qgemm_blocks_mm8(flat, weight, fmt);
-    }
-    torch::Tensor out;
-    for (size_t p = 0; p < packed.size(); ++p) {
-      auto part = at::_weight_int4pack_mm_for_cpu(flat, packed[p], GROUP, scales_zeros[p]).to(at::kFloat);
-      out = p == 0 ? part : out + part;
+      if (kind == BLOCKS16)
+        out = qgemm_blocks_mm16(flat, weight, fmt);  // panels: rows of zeros up to a multiple of 16
+      else
+        out = kind == BLOCKS ? qgemm_blocks_mm(flat, weight, fmt) : qgemm_blocks_mm8(flat, weight, fmt);
+    } else {
+      for (size_t p = 0; p < packed.size(); ++p) {
+        auto part = at::_weight_int4pack_mm_for_cpu(flat, packed[p], GROUP, scales_zeros[p]).to(at::kFloat);
+        out = p == 0 ? part : out + part;
+      }
     }
     return out.size(1) == out_rows ? out : out.slice(1, 0, out_rows);
   }

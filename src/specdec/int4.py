@@ -39,8 +39,9 @@ GGUF blocks as they are (Q8_0 as one 8-bit plane, not two 4-bit ones), each bloc
 per tile of rows, chosen by SPECDEC_INT4_KERNEL (by default "blocks16" on a CPU with avx512_bf16,
 else "blocks"; PyTorch's where the extension does not build: `kernel_choice` says why). "blocks":
 float32 activations (not bfloat16) by weights de-quantized exactly (w = fma(d, q, m)); "blocks16":
-activations and de-quantized Q4_1 weights rounded to bfloat16 and multiplied by AVX-512 BF16 dot
-products (twice float32's multiply-adds an instruction: cheaper verification passes and prompts);
+activations rounded to bfloat16 multiplied with the 4-bit codes by AVX-512 BF16 dot products (twice
+float32's multiply-adds an instruction), each block's d and m applied after in float32 (the weights
+exact), on Q4_1 weights regrouped once in panels of 16 rows (`qgemm.panel_q4_1`);
 "blocks8": the activations quantized to int8 per block of 32 (llama.cpp's scheme: dx = max|x| / 127)
 and integer dot products (vpdpbusd on AVX-512 VNNI), faster with several rows but of llama.cpp's quality.
 All three keep rows invariant by construction (one fixed order of operations per output element,
@@ -72,19 +73,19 @@ KERNELS = ("auto", "blocks16", "blocks8", "blocks", "torch")
 def kernel_choice() -> str:
     """Which kernel 4-bit products run on: "torch" (PyTorch's int4 kernel: bfloat16 activations),
     "blocks" (`specdec.qgemm`'s float kernel: float32 activations, weights de-quantized exactly),
-    "blocks16" (its bfloat16 kernel: activations and de-quantized Q4_1 weights rounded to bfloat16,
-    AVX-512 BF16 dot products accumulating in float32; Q8_0 weights, SmolLM2's head, stay on the
-    float kernel, see `block_kernel`) or "blocks8" (its int8 kernel: activations quantized to int8
-    blocks as llama.cpp does, integer dot products). SPECDEC_INT4_KERNEL chooses; "auto" (the
-    default) takes "blocks16" where the extension builds with it (a CPU with avx512_bf16), else
-    "blocks" where the extension builds (scripts/setup builds it), else "torch":
-    - on a 2-core AMD EPYC Zen 4 (avx512_bf16), 12 Spec-Bench questions x 128 tokens, the three
-      alternated in one process: greedy, the default prophets 78.6 tokens/s on blocks16, 71.1 on
-      blocks, 64.6 on torch (plain 75.7 / 66.4 / 64.9); temperature 1: 79.1 / 69.7 / 67.6. A
-      prompt is read 1.5x faster in bfloat16 (671 tokens: 0.77 s against 1.17 s) and a 5-token
-      verification pass's products take 0.8-1.0x the float kernel's, but a one-token step costs
-      more (plain decoding after short prompts 0.87x blocks' speed, the default prophets 0.93x:
-      where prompts are short and decoding dominates, "blocks" is faster);
+    "blocks16" (its bfloat16 kernel: activations rounded to bfloat16, the codes' dot products by
+    AVX-512 BF16 instructions, d and m per block after; Q4_1 weights in panels of 16 rows; Q8_0
+    weights, SmolLM2's head, stay on the float kernel, see `block_kernel`) or "blocks8" (its int8
+    kernel: activations quantized to int8 blocks as llama.cpp does, integer dot products).
+    SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "blocks16" where the extension builds
+    with it (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
+    it), else "torch":
+    - on a 2-core AMD EPYC Zen 4 (avx512_bf16), SmolLM2 loaded on blocks16 and on blocks in one
+      process, steps alternated: a one-token step takes 0.82-0.92x blocks' time (200 and 1,000
+      tokens of context), a 5-token verification pass 0.68-0.78x, a 600-token prompt 0.71x; on
+      Spec-Bench (12 questions, greedy) plain decoding on blocks16 ran 1.97x llama.cpp's on the same
+      file (an earlier blocks16, which rounded the weights to bfloat16, ran one-token steps 1.07x
+      slower than blocks);
     - without AVX-512 (a 2-core AMD EPYC Zen 3, AVX2 only), PyTorch's kernel has no fast path:
       SmolLM2's products cost 1.3-1.5x the blocks kernel's for one row and 1.5-1.7x for five
       (a verification pass), and its bfloat16 activations round more;

@@ -16,8 +16,8 @@
 //   then M = M + m_b s_b over the blocks in order (from 0), s_b = x[0] + x[1] + ... + x[31] of the block (the
 //   bfloat16 values added in float32 in position order), and y = T + M.
 // Every output is a lane of its own (lanes across weight rows), so rows are invariant by construction.
-// Each pair's codes for 16 rows are decoded once a tile of up to 8 activation rows (4 instructions) and applied to
-// every row of the tile.
+// Each pair's codes for 16 rows are decoded once (4 instructions) and applied to every row of a tile of up to 8
+// activation rows; with more rows, a panel's codes are decoded once into a buffer for all of its tiles.
 // Only built where the compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere `impls16` is
 // empty and the kernel is not offered.
 
@@ -125,10 +125,12 @@ inline void finish(const Args& a, const uint8_t* const* p, int64_t r0, int64_t n
   }
 }
 
-// MT (<= FEW) activation rows from r0 against NV panels from panel g: each pair's codes decoded once, in registers,
-// with the tile's partial sums E, O and running sums T.
-template <int MT, int NV>
-void few(const Args& a, int64_t r0, int64_t g, __m512i table) {
+// MT (<= FEW) activation rows from r0 against NV panels from panel g: each pair's codes decoded once, in registers
+// (DECODED: read from `decoded`, panel g's codes already decoded, pair i of block b at b * 16 + i), with the tile's
+// partial sums E, O and running sums T.
+template <int MT, int NV, bool DECODED = false>
+void few(const Args& a, int64_t r0, int64_t g, __m512i table, const __m512i* decoded = nullptr) {
+  static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
   const uint8_t* p[NV];
   for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PANEL_BLOCK;
   const int64_t K2 = a.K / 2;
@@ -142,12 +144,16 @@ void few(const Args& a, int64_t r0, int64_t g, __m512i table) {
     const uint32_t* xb = a.x + r0 * K2 + b * (QK / 2);
     for (int i = 0; i < QK / 2; i += 2) {
       __m512i q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, table);
+      for (int v = 0; v < NV; ++v)
+        q[v] = DECODED ? _mm512_loadu_si512(decoded + b * 16 + i)
+                       : codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, table);
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i]));
         for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, q[v]);
       }
-      for (int v = 0; v < NV; ++v) q[v] = codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * (i + 1), table);
+      for (int v = 0; v < NV; ++v)
+        q[v] = DECODED ? _mm512_loadu_si512(decoded + b * 16 + i + 1)
+                       : codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * (i + 1), table);
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i + 1]));
         for (int v = 0; v < NV; ++v) O[r][v] = dot(O[r][v], xv, q[v]);
@@ -185,13 +191,32 @@ void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1, __m512i tab
   }
 }
 
-// Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, every tile over
-// one panel before the next panel (its blocks in L1).
+// MT (1..FEW) rows from r0 against panel g, its codes decoded in `decoded`.
+void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, __m512i table, const __m512i* decoded) {
+  switch (mt) {
+    case 1: return few<1, 1, true>(a, r0, g, table, decoded);
+    case 2: return few<2, 1, true>(a, r0, g, table, decoded);
+    case 3: return few<3, 1, true>(a, r0, g, table, decoded);
+    case 4: return few<4, 1, true>(a, r0, g, table, decoded);
+    case 5: return few<5, 1, true>(a, r0, g, table, decoded);
+    case 6: return few<6, 1, true>(a, r0, g, table, decoded);
+    case 7: return few<7, 1, true>(a, r0, g, table, decoded);
+    default: return few<8, 1, true>(a, r0, g, table, decoded);
+  }
+}
+
+// Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each panel's codes
+// decoded once (K/32 x 16 vectors, in L1/L2) for all of its tiles.
 void panels(const Args& a, int64_t M, int64_t g0, int64_t g1, __m512i table) {
   const auto tiles = row_tiles(M, FEW, FEW);
   if (tiles.size() == 1) return tile(a, 0, tiles[0].second, g0, g1, table);
-  for (int64_t g = g0; g < g1; ++g)
-    for (const auto& t : tiles) tile(a, t.first, t.second, g, g + 1, table);
+  std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* p = a.w + g * a.KB * PANEL_BLOCK;
+    for (int64_t b = 0; b < a.KB; ++b)
+      for (int i = 0; i < QK / 2; ++i) decoded[b * 16 + i] = codes16(p + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, table);
+    for (const auto& t : tiles) decoded_tile(a, t.first, t.second, g, table, decoded.data());
+  }
 }
 
 void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N) {

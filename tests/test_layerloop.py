@@ -1,7 +1,8 @@
 """The lean path's layer loop in C++ (specdec.layerloop, kernels/step.cpp) computes the Python
 loop's results bit for bit: logits, features, fused features and every key and value it writes,
 for one row and for ragged batches, one-token steps, verification passes, chunked prompts and
-early exits; on PyTorch's int4 kernel, on specdec.qgemm's blocks kernel and in float32."""
+early exits; on PyTorch's int4 kernel, on specdec.qgemm's blocks kernels (where steps and passes
+run on raw buffers) and in float32."""
 
 import pytest
 import torch
@@ -60,6 +61,8 @@ def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built,
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
     lm = load("smollm2", draft="none", dtype="int4").target.rows
     assert lm.int4_kernel == kernel
+    # on specdec's block kernels, steps and verification passes run on raw buffers (Stack.run_raw)
+    assert layerloop.stack_for(lm).raw == (kernel != "torch")
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert _equal(cpp, python)
     assert _equal(cpp_cache, python_cache) and len(cpp_cache) == 3

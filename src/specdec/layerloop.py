@@ -7,7 +7,9 @@ the same ATen operations, the same small kernels of the extension (`kernels`: RM
 attention of one query, which the Python loop calls too, for float32 on the CPU), and the rotary
 positions fused element for element as ATen computes them; so it computes the Python loop's bits
 exactly (tested). It removes the interpreter's work around each operation (about 50 Python calls
-a layer, 1,500 a SmolLM2 step) and a dozen small operations a layer.
+a layer, 1,500 a SmolLM2 step) and a dozen small operations a layer; where every query attends
+alone and every product is on specdec's block kernels (`Stack.raw`), its layers run on one
+workspace of raw buffers, two ATen calls a layer instead of ~35.
 Token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
 
 SPECDEC_LAYER_LOOP chooses: "auto" (the default: C++ where it applies and the extension builds

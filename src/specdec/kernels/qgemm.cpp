@@ -687,6 +687,17 @@ std::vector<std::string> impls() {
 
 }  // namespace
 
+// For the layer loop (step.cpp): x (M, K) float32 rows @ blocks (N, K/32, bytes) into out (M, N), no checks.
+void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N,
+                       float* out) {
+  if (M == 0 || N == 0) return;
+  const Args a{nullptr, blocks, out, K, N, K / QK * (fmt == Q4_1 ? 20 : 34)};
+  if (fmt == Q4_1)
+    run<Q4_1>(x, M, a, best_impl());
+  else
+    run<Q8_0>(x, M, a, best_impl());
+}
+
 // For the layer loop (step.cpp): the product as `q4_1_mm` / `q8_0_mm` computes it.
 torch::Tensor qgemm_blocks_mm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt) {
   return qmm(x, blocks, fmt, AUTO);

@@ -293,6 +293,13 @@ std::vector<std::string> impls16() {
 
 }  // namespace
 
+// For the layer loop (step.cpp): x (M, K) float32 rows @ panels (N/16, K/32, 320) into out (M, N), no checks.
+void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out) {
+#ifdef QGEMM16
+  if (M > 0 && N > 0) mm16::run(x, M, panels, out, K, N);
+#endif
+}
+
 // For the layer loop (step.cpp): the product as `q4_1_mm16` computes it (weights in panels).
 torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {
   return qmm16(x, panels, fmt);

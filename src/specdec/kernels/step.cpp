@@ -8,7 +8,9 @@
 // are bit for bit the Python loop's (tests/test_layerloop.py). What it removes is the interpreter's work around
 // each operation (~50 Python calls a layer) and a dozen small operations a layer. The products run on the kernel
 // each weight was loaded for: PyTorch's int4 kernel (bfloat16 activations), specdec.qgemm's block kernels, or a
-// float matrix.
+// float matrix. Where every query attends alone (one-token steps, verification passes) and every product is one
+// of specdec.qgemm's block kernels, the layers run on one workspace of raw buffers (`run_raw`): the same
+// operations on the same values, two ATen calls a layer (SiLU and its product) instead of ~35.
 #include <torch/extension.h>
 
 #include <ATen/ATen.h>
@@ -28,6 +30,9 @@
 torch::Tensor qgemm_blocks_mm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
 torch::Tensor qgemm_blocks_mm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
 torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
+// The same products into a buffer (x (M, K) and out (M, N) dense float32 rows), for the layer loop's raw layers.
+void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N, float* out);
+void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out);
 
 namespace {
 
@@ -50,6 +55,17 @@ inline float sum_squares(const float* x, int64_t n) {
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+// RMSNorm of `rows` rows of D floats: y = x / sqrt(mean(x^2) + eps) * weight.
+inline void rms_norm_into(const float* px, const float* pw, float* po, int64_t rows, int64_t D, double eps) {
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = px + r * D;
+    float* yr = po + r * D;
+    const float inv = 1.0f / std::sqrt(sum_squares(xr, D) / static_cast<float>(D) + e);
+    for (int64_t j = 0; j < D; ++j) yr[j] = (xr[j] * inv) * pw[j];
+  }
+}
+
 // RMSNorm of each row of x (..., D) float32: x / sqrt(mean(x^2) + eps) * weight.
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "rms_norm: x must be float32 on the CPU");
@@ -59,16 +75,7 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   const auto wc = weight.contiguous();
   auto out = at::empty_like(xc);
   const int64_t D = xc.size(-1), rows = D ? xc.numel() / D : 0;
-  const float* px = xc.data_ptr<float>();
-  const float* pw = wc.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = px + r * D;
-    float* yr = po + r * D;
-    const float inv = 1.0f / std::sqrt(sum_squares(xr, D) / static_cast<float>(D) + e);
-    for (int64_t j = 0; j < D; ++j) yr[j] = (xr[j] * inv) * pw[j];
-  }
+  rms_norm_into(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), rows, D, eps);
   return out;
 }
 
@@ -252,6 +259,24 @@ struct Product {
     return out.size(1) == out_rows ? out : out.slice(1, 0, out_rows);
   }
 
+  // Whether `into` computes this product: a blocks kernel (float32 or bfloat16 activations) whose rows are all
+  // returned, every activation row in one product.
+  bool has_into() const {
+    if (solo || !weight.defined() || weight.dim() != 3) return false;
+    if (kind == BLOCKS16) return weight.size(0) * 16 == out_rows;
+    return kind == BLOCKS && weight.size(0) == out_rows;
+  }
+
+  // x (M, K) dense float32 rows @ W.T into out (M, out_rows): what `product` computes, without tensors.
+  void into(const float* x, int64_t M, float* out) const {
+    RECORD_FUNCTION("specdec_qgemm", std::vector<c10::IValue>());  // named for scripts/step-profile
+    const auto* w = weight.data_ptr<uint8_t>();
+    if (kind == BLOCKS16)
+      qgemm16_into(x, M, w, in_features, out_rows, out);
+    else
+      qgemm_blocks_into(x, M, w, fmt, in_features, out_rows, out);
+  }
+
   // x (..., K) -> (..., out_rows) in x's dtype (`LlamaWeights._mm` / `Int4Weight.mm`)
   torch::Tensor mm(const torch::Tensor& x) const {
     if (kind == FLOAT) return at::matmul(x, weight.t());
@@ -291,9 +316,17 @@ class Stack {
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
     TORCH_CHECK(products.size() == 4, "a layer has four products (qkv, o, gate_up, down)");
     layers_.push_back(Layer{in_norm, post_norm, products[0], products[1], products[2], products[3]});
+    // run_raw: every product into a buffer, dense norms, and every layer of the first one's shapes
+    const Layer& first = layers_.front();
+    for (const auto& p : products) raw_ = raw_ && p.has_into();
+    raw_ = raw_ && in_norm.is_contiguous() && post_norm.is_contiguous() &&
+           products[0].out_rows == (n_heads_ + 2 * n_kv_) * head_dim_ && products[1].in_features == n_heads_ * head_dim_ &&
+           products[2].out_rows == 2 * products[3].in_features && products[1].out_rows == products[3].out_rows &&
+           products[1].out_rows == first.o.out_rows && products[3].in_features == first.down.in_features;
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  bool raw() const { return raw_; }
 
   // x (B, n, D) float32 after the embedding; cos and sin_signed (B, 1, n, hd) at each row's positions; per row its
   // slot's keys and values (L, Hkv, T, hd), start, new tokens and scored tokens. Runs the first n_layers layers,
@@ -315,6 +348,9 @@ class Stack {
     const int64_t count = n_layers < 0 ? size() : std::min(n_layers, size());
     std::vector<torch::Tensor> kept;
     c10::InferenceMode guard;
+    if (raw_ && all_alone(n_new, scored) && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+        cos.stride(3) == 1 && sin_signed.stride(3) == 1)
+      return {run_raw(x, cos, sin_signed, keys, values, starts, n_new, count, capture, kept), kept};
     // x is this call's own (the embedding's gather): added to in place until a layer's output is kept
     bool shared = false;
     for (int64_t i = 0; i < count; ++i) {
@@ -330,6 +366,51 @@ class Stack {
   }
 
  private:
+  // `run` where every query attends alone and every product writes into a buffer (`raw_`): the same operations
+  // on the same values (RMSNorm and the products into buffers, the attention through `attend_alone`, the residual
+  // adds in place, SiLU and its product through ATen on views of the buffers), without a tensor a layer: one
+  // workspace for every layer.
+  torch::Tensor run_raw(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                        const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new, int64_t count,
+                        const std::vector<int64_t>& capture, std::vector<torch::Tensor>& kept) const {
+    const int64_t rows = x.size(0), n = x.size(1), D = x.size(2), T = rows * n;
+    const int64_t width = (n_heads_ + 2 * n_kv_) * head_dim_, heads = n_heads_ * head_dim_;
+    const int64_t inner = count > 0 ? layers_[0].down.in_features : 0;
+    TORCH_CHECK(count == 0 || layers_[0].o.out_rows == D, "run: x must be (rows, n, D) with D the layers' width");
+    auto work = at::empty({T * (D + width + 2 * heads + 3 * inner + D)}, x.options());
+    float* h = work.data_ptr<float>();
+    float* qkv = h + T * D;
+    float* qbuf = qkv + T * width;
+    float* att = qbuf + T * heads;
+    float* gu = att + T * heads;
+    float* act = gu + T * 2 * inner;
+    float* y = act + T * inner;
+    // the views SiLU and its product read and write (as `mlp` computes them on chunk(2, -1) of gate_up's output)
+    const auto gu_t = work.narrow(0, T * (D + width + 2 * heads), T * 2 * inner).view({rows, n, 2 * inner});
+    const auto halves = gu_t.chunk(2, -1);
+    auto act_t = work.narrow(0, T * (D + width + 2 * heads + 2 * inner), T * inner).view({rows, n, inner});
+    float* px = x.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) {
+      const Layer& w = layers_[i];
+      rms_norm_into(px, w.in_norm.data_ptr<float>(), h, T, D, eps_);
+      w.qkv.into(h, T, qkv);
+      if (rows > 1) std::fill(att, att + T * heads, 0.0f);  // padding positions (as `attention_alone`'s zeros)
+      attend_alone(i, qkv, rows, n, cos, sin_signed, keys, values, starts, n_new, qbuf, att);
+      w.o.into(att, T, y);
+      for (int64_t j = 0; j < T * D; ++j) px[j] += y[j];
+      rms_norm_into(px, w.post_norm.data_ptr<float>(), h, T, D, eps_);
+      w.gate_up.into(h, T, gu);
+      at::silu_out(act_t, halves[0]);
+      at::mul_out(act_t, act_t, halves[1]);
+      w.down.into(act, T, y);
+      for (int64_t j = 0; j < T * D; ++j) px[j] += y[j];
+      for (int64_t c : capture)
+        if (c == i) kept.push_back(x.clone());
+    }
+    return x;
+  }
+
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight) const {
     return rms_norm_rows(x, weight, eps_);
   }
@@ -377,17 +458,28 @@ class Stack {
                                 const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                                 const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                                 const std::vector<int64_t>& n_new) const {
-    const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
-    const int64_t width = (Hq + 2 * Hkv) * hd;
+    const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, Hq = n_heads_;
     const Layer& w = layers_[i];
     const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width)
     TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.stride(3) == 1 && sin_signed.stride(3) == 1,
                 "attention_alone: float32, dense rotary rows");
-    const float* src = qkv.data_ptr<float>();
     auto qbuf = at::empty({rows, n, Hq, hd}, qkv.options());
     auto out = rows > 1 ? at::zeros({rows, n, Hq, hd}, qkv.options()) : at::empty({rows, n, Hq, hd}, qkv.options());
-    float* qd = qbuf.data_ptr<float>();
-    float* od = out.data_ptr<float>();
+    attend_alone(i, qkv.data_ptr<float>(), rows, n, cos, sin_signed, keys, values, starts, n_new,
+                 qbuf.data_ptr<float>(), out.data_ptr<float>());
+    return w.o.mm(out.view({rows, n, Hq * hd}));
+  }
+
+  // The attention of layer i where every new query attends alone, from its qkv rows src (rows, n, width) on raw
+  // buffers: the rotary positions of each new query and key (rope_heads' arithmetic) into qd (rows, n, Hq, hd) and
+  // each row's slot, values written into the slot, each query head through attend_head (attend_one's arithmetic)
+  // into od (rows, n, Hq, hd), laid out as the output product reads them; padding positions of od untouched.
+  void attend_alone(int64_t i, const float* src, int64_t rows, int64_t n, const torch::Tensor& cos,
+                    const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
+                    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& n_new, float* qd, float* od) const {
+    const int64_t hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
+    const int64_t width = (Hq + 2 * Hkv) * hd;
     const float* pc = cos.data_ptr<float>();
     const float* ps = sin_signed.data_ptr<float>();
     const int64_t cb = cos.stride(0), ct = cos.stride(2), sb = sin_signed.stride(0), st = sin_signed.stride(2);
@@ -401,12 +493,13 @@ class Stack {
     std::vector<Item> items;
     int64_t longest = 0;
     for (int64_t b = 0; b < rows; ++b) {
-      const auto layer_keys = keys[b].select(0, i), layer_values = values[b].select(0, i);  // (Hkv, T, hd)
-      TORCH_CHECK(layer_keys.stride(2) == 1 && layer_values.stride(2) == 1, "attention_alone: dense key rows");
-      float* kd = layer_keys.data_ptr<float>();
-      float* vd = layer_values.data_ptr<float>();
-      const int64_t kh = layer_keys.stride(0), kt = layer_keys.stride(1);
-      const int64_t vh = layer_values.stride(0), vt = layer_values.stride(1);
+      const auto& kb = keys[b];
+      const auto& vb = values[b];  // (L, Hkv, T, hd)
+      TORCH_CHECK(kb.stride(3) == 1 && vb.stride(3) == 1, "attention_alone: dense key rows");
+      float* kd = kb.data_ptr<float>() + i * kb.stride(0);
+      float* vd = vb.data_ptr<float>() + i * vb.stride(0);
+      const int64_t kh = kb.stride(1), kt = kb.stride(2);
+      const int64_t vh = vb.stride(1), vt = vb.stride(2);
       for (int64_t t = 0; t < n_new[b]; ++t) {
         const float* x = src + (b * n + t) * width;
         const float* c = pc + b * cb + t * ct;
@@ -437,7 +530,6 @@ class Stack {
                     acc.data(), it.y);
       }
     });
-    return w.o.mm(out.view({rows, n, Hq * hd}));
   }
 
   torch::Tensor attention(int64_t i, const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin_signed,
@@ -475,6 +567,7 @@ class Stack {
   int64_t chunk_;
   bool exact_rows_;
   std::vector<Layer> layers_;
+  bool raw_ = true;  // every layer's products write into buffers (`run_raw`)
 };
 
 }  // namespace
@@ -504,6 +597,8 @@ void register_step(pybind11::module& m) {
            py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"))
       .def("add_layer", &Stack::add_layer)
       .def("__len__", &Stack::size)
+      .def_property_readonly("raw", &Stack::raw,
+                             "whether its layers run on buffers where every query attends alone (run_raw)")
       .def("run", &Stack::run, py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),
            py::arg("values"), py::arg("starts"), py::arg("n_new"), py::arg("scored"), py::arg("n_layers"),
            py::arg("capture"), py::call_guard<py::gil_scoped_release>());

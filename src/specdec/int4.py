@@ -150,7 +150,9 @@ class Blocks:
         """These weights in the layout `kernel` reads (`block_kernel`): panels for "blocks16"."""
         if kernel == "blocks16" and self.kind == "Q4_1":
             return Blocks("Q4_1x16", qgemm.panel_q4_1(self.data))
-        return self if kernel == "blocks16" or self.kind != "Q4_1x16" else self.file_blocks()
+        if kernel != "blocks16" and self.kind == "Q4_1x16":
+            return self.file_blocks()
+        return self
 
 
 @dataclass
@@ -229,8 +231,8 @@ class Int4Weight:
         return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.planes)
 
     def _set_blocks(self, blocks: Blocks) -> None:
-        """Multiply from `blocks`: the kernel for their kind and rows, in the layout it reads, and its
-        qgemm function (chosen once; looked up by name, as profilers wrap it)."""
+        """Multiply from `blocks`: the kernel for their kind, in the layout it reads, and its qgemm
+        function (chosen once; looked up by name, as profilers wrap it)."""
         self.kernel = block_kernel(self.family, "Q4_1" if blocks.kind == "Q4_1x16" else blocks.kind)
         self.blocks = blocks.for_kernel(self.kernel)
         self.block_product = _BLOCK_PRODUCTS[(self.kernel, self.blocks.kind)]
@@ -239,7 +241,7 @@ class Int4Weight:
         """The same weights, products returning their first n rows only (a head sliced to the vocabulary)."""
         if n == self.out_rows:
             return self
-        # the rows past n are never multiplied
+        # the rows past n are never multiplied (but panels' rows of zeros up to a multiple of 16)
         if self.blocks is None:
             return self._with_rows(n, None)
         blocks = self.blocks.file_blocks()

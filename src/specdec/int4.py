@@ -81,8 +81,8 @@ def kernel_choice() -> str:
     with it (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
     it), else "torch":
     - on a 2-core AMD EPYC Zen 4 (avx512_bf16), SmolLM2 loaded on blocks16 and on blocks in one
-      process, steps alternated: a one-token step takes 0.82-0.92x blocks' time (200 and 1,000
-      tokens of context), a 5-token verification pass 0.68-0.78x, a 600-token prompt 0.71x; on
+      process, steps alternated (two runs): a one-token step takes 0.82-0.97x blocks' time (200 and
+      1,000 tokens of context), a 5-token verification pass 0.64-0.84x, a 600-token prompt 0.66-0.71x; on
       Spec-Bench (12 questions, greedy) plain decoding on blocks16 ran 1.97x llama.cpp's on the same
       file (an earlier blocks16, which rounded the weights to bfloat16, ran one-token steps 1.07x
       slower than blocks);

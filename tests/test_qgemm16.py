@@ -104,3 +104,18 @@ def test_shapes_casts_and_bad_inputs() -> None:
         qgemm.q4_1_mm16(torch.randn(2, 96), panels)
     with pytest.raises(RuntimeError, match="panels must be contiguous uint8"):
         qgemm.q4_1_mm16(torch.randn(2, 64), q4_1_blocks(16, 64))
+
+
+def test_the_layer_loops_product_returns_the_weights_rows_only() -> None:
+    """A weight whose rows are not a multiple of 16 (panels padded with rows of zeros): the layer loop's product
+    (step.cpp) returns its own rows, with the kernel's bits."""
+    from specdec import layerloop
+
+    module = qgemm.module()
+    blocks = q4_1_blocks(37, 96, seed=4)
+    panels = qgemm.panel_q4_1(blocks)
+    product = module.Product(layerloop._KINDS["blocks16"], panels, 0, [], [], 37, 96, False)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(1))
+    out = product.mm(x)
+    assert out.shape == (2, 3, 37)
+    assert torch.equal(out.reshape(6, 37), qgemm.q4_1_mm16(x.reshape(6, 96), panels)[:, :37])

@@ -652,22 +652,27 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   });
 }
 
+// x (M, K) float32 rows @ blocks (N, K/32, bytes of fmt) into out (M, N) on `impl`.
+void run_format(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N, float* out,
+                Impl impl) {
+  const Args a{nullptr, blocks, out, K, N, K / QK * (fmt == Q4_1 ? 20 : 34)};
+  if (fmt == Q4_1)
+    run<Q4_1>(x, M, a, impl);
+  else
+    run<Q8_0>(x, M, a, impl);
+}
+
 torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl_arg) {
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
   const char* name = fmt == Q4_1 ? "q4_1_mm" : "q8_0_mm";
   check_product_args(x, blocks, fmt, name);
-  const int64_t bytes = fmt == Q4_1 ? 20 : 34;
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   Impl impl = impl_arg == AUTO ? best_impl() : static_cast<Impl>(impl_arg);
   TORCH_CHECK(compiled(impl), name, ": implementation ", impl_arg, " is not compiled in this build");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  const Args a{nullptr, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), K, N, K / QK * bytes};
-  if (fmt == Q4_1)
-    run<Q4_1>(x.data_ptr<float>(), M, a, impl);
-  else
-    run<Q8_0>(x.data_ptr<float>(), M, a, impl);
+  run_format(x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), fmt, K, N, out.data_ptr<float>(), impl);
   return out;
 }
 
@@ -690,12 +695,7 @@ std::vector<std::string> impls() {
 // For the layer loop (step.cpp): x (M, K) float32 rows @ blocks (N, K/32, bytes) into out (M, N), no checks.
 void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N,
                        float* out) {
-  if (M == 0 || N == 0) return;
-  const Args a{nullptr, blocks, out, K, N, K / QK * (fmt == Q4_1 ? 20 : 34)};
-  if (fmt == Q4_1)
-    run<Q4_1>(x, M, a, best_impl());
-  else
-    run<Q8_0>(x, M, a, best_impl());
+  if (M > 0 && N > 0) run_format(x, M, blocks, fmt, K, N, out, best_impl());
 }
 
 // For the layer loop (step.cpp): the product as `q4_1_mm` / `q8_0_mm` computes it.

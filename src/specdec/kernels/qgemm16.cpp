@@ -240,6 +240,17 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
 
 }  // namespace mm16
 
+}  // namespace
+
+// x (M, K) float32 rows @ panels (N/16, K/32, 320) into out (M, N), no checks (qmm16; the layer loop's raw layers).
+void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out) {
+#ifdef QGEMM16
+  if (M > 0 && N > 0) mm16::run(x, M, panels, out, K, N);
+#endif
+}
+
+namespace {
+
 bool compiled16() {
 #ifdef QGEMM16
   return true;
@@ -266,9 +277,7 @@ torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-#ifdef QGEMM16
-  mm16::run(x.data_ptr<float>(), M, panels.data_ptr<uint8_t>(), out.data_ptr<float>(), K, N);
-#endif
+  qgemm16_into(x.data_ptr<float>(), M, panels.data_ptr<uint8_t>(), K, N, out.data_ptr<float>());
   return out;
 }
 
@@ -292,13 +301,6 @@ std::vector<std::string> impls16() {
 }
 
 }  // namespace
-
-// For the layer loop (step.cpp): x (M, K) float32 rows @ panels (N/16, K/32, 320) into out (M, N), no checks.
-void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out) {
-#ifdef QGEMM16
-  if (M > 0 && N > 0) mm16::run(x, M, panels, out, K, N);
-#endif
-}
 
 // For the layer loop (step.cpp): the product as `q4_1_mm16` computes it (weights in panels).
 torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {

@@ -1,5 +1,6 @@
-// What both kernels of specdec.qgemm share: the block formats, implementation ids, fp16 loads and the tiling of
-// rows. Included by qgemm.cpp (float32 activations) and qgemm8.cpp (int8 activations); internal to each.
+// What the kernels of specdec.qgemm share: the block formats, implementation ids, fp16 loads, the tiling of rows
+// and the block products' argument checks. Included by qgemm.cpp (float32 activations), qgemm8.cpp (int8
+// activations) and qgemm16.cpp (bfloat16 activations, Q4_1 in panels); internal to each.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -49,7 +50,7 @@ std::vector<std::pair<int64_t, int>> row_tiles(int64_t M, int single, int tile) 
   return tiles;
 }
 
-// The checks every product entry point (qmm, qmm8, qmm16) makes of x (M, K) float32 and blocks (N, K/32, bytes):
+// The checks the block products' entry points (qmm, qmm8) make of x (M, K) float32 and blocks (N, K/32, bytes):
 // errors named after the entry point `name`.
 inline void check_product_args(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, const char* name) {
   const int64_t bytes = fmt == Q4_1 ? 20 : 34;

@@ -4,6 +4,7 @@ for one row and for ragged batches, one-token steps, verification passes, chunke
 early exits; on PyTorch's int4 kernel, on specdec.qgemm's blocks kernels (where steps and passes
 run on raw buffers) and in float32."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,3 +108,62 @@ def test_the_small_kernels_compute_what_pytorch_does_within_float_rounding(built
     cos, sin = torch.randn(2, 2, 1, 7, 64, generator=gen)
     want = heads * cos + torch.roll(heads, 32, dims=-1) * sin
     assert torch.equal(ext.rope_heads(heads, cos, sin), want)
+
+
+def _exp_nonpositive(x: np.ndarray) -> np.ndarray:
+    """step.cpp's exp of x <= 0 (Cephes' expf), operation for operation in float32."""
+    f = np.float32
+    keep = x >= f(-87.0)
+    x = np.maximum(x, f(-87.0))
+    n = np.floor(x * f(1.44269504088896341) + f(0.5))
+    r = x - n * f(0.693359375)
+    r = r - n * f(-2.12194440e-4)
+    y = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + f(c)
+    y = ((y * r) * r + r) + f(1.0)
+    e = ((n.astype(np.int32) + 127) << 23).view(np.float32)
+    return np.where(keep, y * e, f(0.0)).astype(np.float32)
+
+
+def _attend_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, end: int) -> np.ndarray:
+    """One query's attention as step.cpp documents its arithmetic, in float32 one operation at a
+    time: per head, each score from eight running sums (position d % 8, the first a product)
+    summed as ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)), times 1/sqrt(hd); exponentials
+    of the scores less the largest; the weights' total and the weighted values summed in key order
+    from 0; values over total. q (Hq, hd), keys and values (Hkv, T, hd)."""
+    f = np.float32
+    hq, hd = q.shape
+    group = hq // keys.shape[0]
+    scale = f(1.0) / np.sqrt(f(hd))
+    out = np.empty_like(q)
+    for h in range(hq):
+        k, v = keys[h // group, :end], values[h // group, :end]
+        s = q[h, 0:8] * k[:, 0:8]
+        for d in range(8, hd, 8):
+            s = s + q[h, d:d + 8] * k[:, d:d + 8]
+        scores = (((s[:, 0] + s[:, 4]) + (s[:, 1] + s[:, 5])) + ((s[:, 2] + s[:, 6]) + (s[:, 3] + s[:, 7]))) * scale
+        p = _exp_nonpositive(scores - scores.max())
+        total, acc = f(0.0), np.zeros(hd, np.float32)
+        for t in range(end):
+            total = f(total + p[t])
+            acc = acc + p[t] * v[t]
+        out[h] = acc / total
+    return out
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX"), reason="the vectorized kernels")
+def test_one_query_attention_is_its_documented_arithmetic_bit_for_bit(built):
+    """attend_one (every path's attention of a query alone: one-token steps and the scored rows
+    of a verification pass) computes exactly the arithmetic step.cpp documents, whatever the
+    number of keys (a multiple of 8 or not: 8 at a time, then one at a time), for head sizes on
+    the vectorized paths (64, 128) and off them (32), with grouped heads."""
+    ext = layerloop.kernels()
+    gen = torch.Generator().manual_seed(11)
+    for hd in (64, 128, 32):
+        for end in (1, 7, 8, 9, 37, 200):
+            q = torch.randn(1, 6, 1, hd, generator=gen)
+            keys, values = torch.randn(2, 1, 2, 210, hd, generator=gen) * 2
+            got = ext.attend_one(q, keys, values, end)[0, :, 0].numpy()
+            want = _attend_reference(q[0, :, 0].numpy(), keys[0].numpy(), values[0].numpy(), end)
+            assert np.array_equal(got, want), (hd, end, np.abs(got - want).max())

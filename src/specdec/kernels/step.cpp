@@ -179,22 +179,99 @@ inline void add_scaled(float* acc, const float* v, float w, int64_t n) {
   for (; d < n; ++d) acc[d] += w * v[d];
 }
 
+#ifdef __AVX2__
+// The scores of the 8 keys from k (rows kt floats apart): for each, dot8's arithmetic (eight running sums, the same
+// tree), the 8 trees summed side by side; lane j holds key j's. hd a positive multiple of 8.
+inline __m256 dot8_keys8(const float* qv, const float* k, int64_t kt, int64_t hd) {
+  __m256 s[8];
+  const __m256 q0 = _mm256_loadu_ps(qv);
+  for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * kt));
+  for (int64_t d = 8; d < hd; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(qv + d);
+    for (int j = 0; j < 8; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(qd, _mm256_loadu_ps(k + j * kt + d)));
+  }
+  // keys j and j + 4 in one register: lanes l + (l + 4) of each (dot8's first step), then its two pairwise sums
+  __m256 a[4];
+  for (int j = 0; j < 4; ++j)
+    a[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[j], s[j + 4], 0x20), _mm256_permute2f128_ps(s[j], s[j + 4], 0x31));
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+
+// acc (V x 8 floats) = sum over t < end, in key order from 0, of p[t] * v_t (each product rounded, then the sum):
+// add_scaled's arithmetic with the sums held in registers (16 lanes a register where the CPU has them); returns the
+// weights' total, summed in key order from 0 alongside.
+template <int V>
+inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_t end, float* acc) {
+  float total = 0.0f;
+#ifdef __AVX512F__
+  static_assert(V % 2 == 0, "16 lanes a register");
+  __m512 s[V / 2];
+  for (int j = 0; j < V / 2; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < end; ++t) {
+    const __m512 w = _mm512_set1_ps(p[t]);
+    const float* v = vbase + t * vt;
+    for (int j = 0; j < V / 2; ++j) s[j] = _mm512_add_ps(s[j], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * j)));
+    total += p[t];
+  }
+  for (int j = 0; j < V / 2; ++j) _mm512_storeu_ps(acc + 16 * j, s[j]);
+#else
+  __m256 s[V];
+  for (int j = 0; j < V; ++j) s[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < end; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = vbase + t * vt;
+    for (int j = 0; j < V; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+    total += p[t];
+  }
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + 8 * j, s[j]);
+#endif
+  return total;
+}
+#endif
+
 // One head of one query: q (hd) over keys and values [0, end) (rows kt and vt floats apart) into y (hd). p holds
-// end rounded up to a multiple of 8 floats, its padding -inf; acc hd floats.
+// end rounded up to a multiple of 8 floats, its padding -inf; acc hd floats. Every score is dot8's arithmetic; the
+// values are summed in key order (add_scaled's), the weights' total too. Vectorized across keys where hd allows
+// (8 scores at a time, the values' sums in registers) with those very operations: the same bits as one key at a
+// time (tested against a reference of this arithmetic).
 inline void attend_head(const float* qv, const float* kbase, int64_t kt, const float* vbase, int64_t vt, int64_t end,
                         int64_t hd, float scale, float* p, float* acc, float* y) {
   const int64_t padded = (end + 7) / 8 * 8;
   float top = -INFINITY;
-  for (int64_t t = 0; t < end; ++t) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  if (hd % 8 == 0 && hd > 0) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 most = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= end; t += 8) {
+      const __m256 z = _mm256_mul_ps(dot8_keys8(qv, kbase + t * kt, kt, hd), sc);
+      _mm256_storeu_ps(p + t, z);
+      most = _mm256_max_ps(most, z);
+    }
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, most);
+    for (float m : m8) top = std::max(top, m);
+  }
+#endif
+  for (; t < end; ++t) {
     p[t] = dot8(qv, kbase + t * kt, hd) * scale;
     top = std::max(top, p[t]);
   }
   for (int64_t t = end; t < padded; ++t) p[t] = -INFINITY;
   exp_shifted(p, padded, top);
   float total = 0.0f;
-  for (int64_t t = 0; t < end; ++t) total += p[t];
-  std::fill(acc, acc + hd, 0.0f);
-  for (int64_t t = 0; t < end; ++t) add_scaled(acc, vbase + t * vt, p[t], hd);
+#ifdef __AVX2__
+  if (hd == 64) {
+    total = weigh_values<8>(p, vbase, vt, end, acc);
+  } else if (hd == 128) {
+    total = weigh_values<16>(p, vbase, vt, end, acc);
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < end; ++t) total += p[t];
+    std::fill(acc, acc + hd, 0.0f);
+    for (int64_t t = 0; t < end; ++t) add_scaled(acc, vbase + t * vt, p[t], hd);
+  }
   for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
 }
 

@@ -3,9 +3,10 @@ to bfloat16, the codes' dot products by vdpbf16ps accumulating in float32, each 
 
 - the panels hold the file's bytes (a round trip), rows of zeros up to a multiple of 16;
 - the activations' rounding: torch's round-to-nearest-even bfloat16, bit for bit;
-- products against a pure-torch reference of exactly the kernel's arithmetic (per output, for each block: even pairs
-  E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i] from 0, odd pairs O likewise, T = T + d (E + O); then M = M + m s over
-  the blocks, s the block's bfloat16 activations summed in position order; y = T + M): equal, bit for bit;
+- products against a pure-torch reference of exactly the kernel's arithmetic (per output, for each block, with the
+  codes as c = 128 + q: even pairs E = (E + x[2i+1] c[2i+1]) + x[2i] c[2i] from 0, odd pairs O likewise,
+  T = T + d (E + O); then M = M + (m - 128 d) s over the blocks, s the block's bfloat16 activations summed in
+  position order; y = T + M): equal, bit for bit;
 - against the float64 product of the unrounded activations within bfloat16's rounding of them (weights exact);
 - rows invariant (M = 1 against any row of M = 2..9, 15-17, 23-24, 47-49, 64; 1 and 2 threads); bad inputs raise.
 """
@@ -31,8 +32,9 @@ def reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, kb).float()
     m = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, kb).float()
     q = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], dim=-1).float()  # (N, KB, 32) positions
+    c = 128 + q  # the codes as the kernel multiplies them (bfloat16 words 0x4300 | q)
     rows = xb.shape[0]
-    prod = xb.reshape(rows, 1, kb, 16, 2) * q.reshape(1, n, kb, 16, 2)  # exact: 8-bit by 4-bit significands
+    prod = xb.reshape(rows, 1, kb, 16, 2) * c.reshape(1, n, kb, 16, 2)  # exact: 8-bit by 8-bit significands
     t = torch.zeros(rows, n)
     for b in range(kb):
         e, o = torch.zeros(rows, n), torch.zeros(rows, n)
@@ -45,7 +47,7 @@ def reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         s = s + xb.reshape(rows, kb, 32)[:, :, pos]
     mins = torch.zeros(rows, n)
     for b in range(kb):
-        mins = mins + m[:, b] * s[:, b : b + 1]
+        mins = mins + (m[:, b] - d[:, b] * 128) * s[:, b : b + 1]
     return t + mins
 
 

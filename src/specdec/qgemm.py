@@ -241,14 +241,15 @@ def q4_1_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
 
 
 PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel
-PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 16 pairs x 16 rows of codes
+PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 8 groups of 4 positions x 16 rows of codes
 
 
 def panel_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1 blocks (N, K/32, 20) -> the bfloat16 kernel's panels (N/16, K/32, 320), the same bytes
-    regrouped by 16 weight rows: per block the 16 rows' d, their m, then for each pair i of
-    positions (2i, 2i+1) one byte a row, q[2i] | q[2i+1] << 4. Rows of zeros (d = m = 0) make N a
-    multiple of 16: the product's columns past N are zeros."""
+    regrouped by 16 weight rows: per block the 16 rows' d, their m, then for each group of four
+    positions 4k..4k+3 two bytes a row, q[4k] | q[4k+2] << 4 and q[4k+1] | q[4k+3] << 4 (one
+    load widening them to words holds two pairs of positions, see qgemm16.cpp). Rows of zeros
+    (d = m = 0) make N a multiple of 16: the product's columns past N are zeros."""
     _check_blocks(blocks, Q4_1_BYTES)
     if blocks.shape[0] % PANEL_ROWS:
         pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
@@ -258,8 +259,10 @@ def panel_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     d = b[..., 0:2].reshape(*b.shape[:2], 32)
     m = b[..., 2:4].reshape(*b.shape[:2], 32)
     q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1)  # (P, KB, 16 rows, 32 positions)
-    pairs = (q[..., 0::2] | (q[..., 1::2] << 4)).transpose(-1, -2)  # (P, KB, 16 pairs, 16 rows)
-    return torch.cat([d, m, pairs.reshape(*b.shape[:2], 256)], dim=-1).contiguous()
+    g = q.reshape(*q.shape[:3], 8, 4)  # (P, KB, 16 rows, 8 groups, 4 positions)
+    codes = torch.stack([g[..., 0] | (g[..., 2] << 4), g[..., 1] | (g[..., 3] << 4)], dim=-1)
+    codes = codes.transpose(2, 3)  # (P, KB, 8 groups, 16 rows, 2 bytes)
+    return torch.cat([d, m, codes.reshape(*b.shape[:2], 256)], dim=-1).contiguous()
 
 
 def unpanel_q4_1(panels: torch.Tensor) -> torch.Tensor:
@@ -269,8 +272,9 @@ def unpanel_q4_1(panels: torch.Tensor) -> torch.Tensor:
     p, kb, _ = panels.shape
     d = panels[..., 0:32].reshape(p, kb, PANEL_ROWS, 2)
     m = panels[..., 32:64].reshape(p, kb, PANEL_ROWS, 2)
-    pairs = panels[..., 64:].reshape(p, kb, 16, PANEL_ROWS).transpose(-1, -2)  # (P, KB, 16 rows, 16 pairs)
-    q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(p, kb, PANEL_ROWS, QK)
+    codes = panels[..., 64:].reshape(p, kb, 8, PANEL_ROWS, 2).transpose(2, 3)  # (P, KB, 16 rows, 8 groups, 2)
+    q = torch.stack([codes[..., 0] & 15, codes[..., 1] & 15, codes[..., 0] >> 4, codes[..., 1] >> 4], dim=-1)
+    q = q.reshape(p, kb, PANEL_ROWS, QK)
     b = torch.cat([d, m, q[..., :16] | (q[..., 16:] << 4)], dim=-1)  # (P, KB, 16 rows, 20)
     return b.transpose(1, 2).reshape(p * PANEL_ROWS, kb, Q4_1_BYTES).contiguous()
 

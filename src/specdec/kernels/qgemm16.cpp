@@ -3,21 +3,26 @@
 //
 // Layout (`qgemm.panel_q4_1`, made once when a model loads): the file's (N, K/32, 20) blocks regrouped by 16
 // weight rows, N a multiple of 16. Panel g, block b is 320 bytes: the 16 rows' scales d (fp16), their minimums
-// m (fp16), then for each pair i of the block's positions (2i, 2i+1) 16 bytes, one a row: q[2i] | q[2i+1] << 4.
-// The same bytes as the file's, in the order a product reads them: one weight row group's codes of a pair in one
-// 16-byte load, their scales in one conversion.
+// m (fp16), then for each two pairs of the block's positions, pair i = (2i, 2i+1) and pair i + 1 (i even), 32
+// bytes, two a row: row r's bytes 2r and 2r + 1 are q[2i] | q[2i+2] << 4 and q[2i+1] | q[2i+3] << 4. The same
+// bytes as the file's, in the order a product reads them: one weight row group's codes of two pairs in one 32-byte
+// load, their scales in one conversion.
 //
-// Arithmetic. The weights are never rounded: w = d q + m, so x . w = sum over blocks of d (x . q) + m (sum x).
-// With x rounded to bfloat16 (round to nearest even, as PyTorch's int4 kernel does), each output element is
-// computed by one fixed sequence of float32 operations, whatever M, the other rows, the tiling or the threads:
-//   for each block b in order, E = 0, then for the even pairs i: E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i]
-//   (one lane of vdpbf16ps; the products of a bfloat16 value and a 4-bit code are exact), O likewise over the odd
+// Arithmetic. The weights are never rounded: w = d q + m. The codes enter as c = 128 + q, whose bfloat16 words are
+// the codes' bits under a fixed exponent (0x4300 | q: 128..143 are exact in bfloat16), so x . w = sum over blocks
+// of d (x . c) + (m - 128 d) (sum x). With x rounded to bfloat16 (round to nearest even, as PyTorch's int4 kernel
+// does), each output element is computed by one fixed sequence of float32 operations, whatever M, the other rows,
+// the tiling or the threads:
+//   for each block b in order, E = 0, then for the even pairs i: E = (E + x[2i+1] c[2i+1]) + x[2i] c[2i]
+//   (one lane of vdpbf16ps; the products of a bfloat16 value and an 8-bit c are exact), O likewise over the odd
 //   pairs, and T = T + d_b (E + O) (from T = 0; a multiply, then an add);
-//   then M = M + m_b s_b over the blocks in order (from 0), s_b = x[0] + x[1] + ... + x[31] of the block (the
-//   bfloat16 values added in float32 in position order), and y = T + M.
+//   then M = M + m'_b s_b over the blocks in order (from 0), m'_b = m_b - 128 d_b (the product exact, the
+//   difference rounded), s_b = x[0] + x[1] + ... + x[31] of the block (the bfloat16 values added in float32 in
+//   position order), and y = T + M.
 // Every output is a lane of its own (lanes across weight rows), so rows are invariant by construction.
-// Each pair's codes for 16 rows are decoded once (4 instructions) and applied to every row of a tile of up to 8
-// activation rows; with more rows, a panel's codes are decoded once into a buffer for all of its tiles.
+// Two pairs' codes for 16 rows are decoded at once (one load widening bytes to words, one bit operation a pair and
+// a shift) and applied to every row of a tile of up to 8 activation rows; with more rows, a panel's codes are
+// decoded once into a buffer for all of its tiles.
 // Only built where the compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere `impls16` is
 // empty and the kernel is not offered.
 
@@ -54,24 +59,24 @@ namespace mm16 {
 // Rows a tile: each pair's codes are decoded once a tile, in registers, and applied to its rows.
 constexpr int FEW = 8;
 
-// bfloat16 words of 0..15 (words 16..31 repeat them: vpermw reads an index's low 5 bits).
-inline __m512i code_table() {
-  alignas(64) uint16_t t[32];
-  for (int v = 0; v < 32; ++v) {
-    const float f = static_cast<float>(v & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    t[v] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have 8 significant bits at most
-  }
-  return _mm512_load_si512(t);
+// Blocks ahead of the one a tile reads that it asks the L2 cache for (_mm_prefetch, T1): its own panels' blocks, and
+// past their end the next NV panels' first blocks. Without it a one-row product of a layer's weights (0.2-1.1 MB,
+// too short for the hardware prefetcher to reach speed) streamed ~12 GB/s on one core of a 2-core AMD EPYC (Zen 4);
+// with it 8..48 blocks ahead gave the same 1.2-1.4x (two threads) and 1.6-1.8x (one) (scripts/qgemm-bench).
+constexpr int64_t PREFETCH_BLOCKS = 16;
+
+inline void prefetch_block(const uint8_t* q) {
+  for (int64_t l = 0; l < PANEL_BLOCK; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
 }
 
-// One pair's codes for 16 weight rows (16 bytes q[2i] | q[2i+1] << 4) -> 16 lanes of two bfloat16 words each.
-inline __m512i codes16(const uint8_t* p, __m512i table) {
-  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  // (c | c << 12) & 0x000F000F: q[2i] in the low word, q[2i+1] in the high word
-  const __m512i w = _mm512_ternarylogic_epi32(c, _mm512_slli_epi32(c, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-  return _mm512_permutexvar_epi16(w, table);
+// The codes of pairs i and i + 1 (i even) for 16 weight rows (32 bytes: row r's bytes 2r and 2r + 1 hold q[2i] and
+// q[2i+1] in their low halves, q[2i+2] and q[2i+3] in their high halves) -> for each pair 16 lanes of two bfloat16
+// words, c = 128 + q (bits 0x4300 | q).
+inline void codes_pairs(const uint8_t* p, __m512i& even, __m512i& odd) {
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i low = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+  even = _mm512_ternarylogic_epi32(c, low, magic, 0xEA);  // (c & low) | magic
+  odd = _mm512_ternarylogic_epi32(_mm512_srli_epi32(c, 4), low, magic, 0xEA);
 }
 
 inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
@@ -118,18 +123,21 @@ inline void finish(const Args& a, const uint8_t* const* p, int64_t r0, int64_t n
     const float* s = a.sums + (r0 + r) * a.KB;
     for (int v = 0; v < NV; ++v) {
       __m512 m = _mm512_setzero_ps();
-      for (int64_t b = 0; b < a.KB; ++b)
-        m = _mm512_add_ps(m, _mm512_mul_ps(scales(p[v] + b * PANEL_BLOCK + 32), _mm512_set1_ps(s[b])));
+      for (int64_t b = 0; b < a.KB; ++b) {
+        const uint8_t* pb = p[v] + b * PANEL_BLOCK;
+        const __m512 shifted = _mm512_sub_ps(scales(pb + 32), _mm512_mul_ps(scales(pb), _mm512_set1_ps(128.0f)));
+        m = _mm512_add_ps(m, _mm512_mul_ps(shifted, _mm512_set1_ps(s[b])));
+      }
       _mm512_storeu_ps(a.out + (r0 + r) * a.N + n0 + PANEL_ROWS * v, _mm512_add_ps(T[r][v], m));
     }
   }
 }
 
-// MT (<= FEW) activation rows from r0 against NV panels from panel g: each pair's codes decoded once, in registers
-// (DECODED: read from `decoded`, panel g's codes already decoded, pair i of block b at b * 16 + i), with the tile's
-// partial sums E, O and running sums T.
+// MT (<= FEW) activation rows from r0 against NV panels from panel g: each two pairs' codes decoded once, in
+// registers (DECODED: read from `decoded`, panel g's codes already decoded, pair i of block b at b * 16 + i), with
+// the tile's partial sums E, O and running sums T.
 template <int MT, int NV, bool DECODED = false>
-void few(const Args& a, int64_t r0, int64_t g, __m512i table, const __m512i* decoded = nullptr) {
+void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr) {
   static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
   const uint8_t* p[NV];
   for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PANEL_BLOCK;
@@ -138,25 +146,32 @@ void few(const Args& a, int64_t r0, int64_t g, __m512i table, const __m512i* dec
   for (int r = 0; r < MT; ++r)
     for (int v = 0; v < NV; ++v) T[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
+    if (!DECODED) {  // a hint: past the weights' end it reads nothing and never faults
+      const int64_t ahead = b + PREFETCH_BLOCKS;
+      for (int v = 0; v < NV; ++v)
+        prefetch_block(ahead < a.KB ? p[v] + ahead * PANEL_BLOCK : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PANEL_BLOCK);
+    }
     __m512 E[MT][NV], O[MT][NV];
     for (int r = 0; r < MT; ++r)
       for (int v = 0; v < NV; ++v) E[r][v] = O[r][v] = _mm512_setzero_ps();
     const uint32_t* xb = a.x + r0 * K2 + b * (QK / 2);
     for (int i = 0; i < QK / 2; i += 2) {
-      __m512i q[NV];
-      for (int v = 0; v < NV; ++v)
-        q[v] = DECODED ? _mm512_loadu_si512(decoded + b * 16 + i)
-                       : codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, table);
+      __m512i qe[NV], qo[NV];
+      for (int v = 0; v < NV; ++v) {
+        if (DECODED) {
+          qe[v] = _mm512_loadu_si512(decoded + b * 16 + i);
+          qo[v] = _mm512_loadu_si512(decoded + b * 16 + i + 1);
+        } else {
+          codes_pairs(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, qe[v], qo[v]);
+        }
+      }
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i]));
-        for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, q[v]);
+        for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, qe[v]);
       }
-      for (int v = 0; v < NV; ++v)
-        q[v] = DECODED ? _mm512_loadu_si512(decoded + b * 16 + i + 1)
-                       : codes16(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * (i + 1), table);
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i + 1]));
-        for (int v = 0; v < NV; ++v) O[r][v] = dot(O[r][v], xv, q[v]);
+        for (int v = 0; v < NV; ++v) O[r][v] = dot(O[r][v], xv, qo[v]);
       }
     }
     for (int v = 0; v < NV; ++v) {
@@ -169,53 +184,56 @@ void few(const Args& a, int64_t r0, int64_t g, __m512i table, const __m512i* dec
 
 // Panels [g0, g1) against MT rows from r0, NV panels at a time (then one at a time).
 template <int MT, int NV>
-inline void few_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1, __m512i table) {
+inline void few_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
   int64_t g = g0;
-  for (; g + NV <= g1; g += NV) few<MT, NV>(a, r0, g, table);
-  for (; g < g1; ++g) few<MT, 1>(a, r0, g, table);
+  for (; g + NV <= g1; g += NV) few<MT, NV>(a, r0, g);
+  for (; g < g1; ++g) few<MT, 1>(a, r0, g);
 }
 
 // Panels [g0, g1) for MT (1..FEW) rows from r0. NV: as many panels at a time as keep the tile's 3 MT NV sums and
 // NV codes in 32 registers.
-void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1, __m512i table) {
+void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
   static_assert(FEW == 8, "the cases below: 1..FEW rows");
   switch (mt) {
-    case 1: return few_panels<1, 4>(a, r0, g0, g1, table);
-    case 2: return few_panels<2, 4>(a, r0, g0, g1, table);
-    case 3: return few_panels<3, 2>(a, r0, g0, g1, table);
-    case 4: return few_panels<4, 2>(a, r0, g0, g1, table);
-    case 5: return few_panels<5, 1>(a, r0, g0, g1, table);
-    case 6: return few_panels<6, 1>(a, r0, g0, g1, table);
-    case 7: return few_panels<7, 1>(a, r0, g0, g1, table);
-    default: return few_panels<8, 1>(a, r0, g0, g1, table);
+    case 1: return few_panels<1, 4>(a, r0, g0, g1);
+    case 2: return few_panels<2, 4>(a, r0, g0, g1);
+    case 3: return few_panels<3, 2>(a, r0, g0, g1);
+    case 4: return few_panels<4, 2>(a, r0, g0, g1);
+    case 5: return few_panels<5, 1>(a, r0, g0, g1);
+    case 6: return few_panels<6, 1>(a, r0, g0, g1);
+    case 7: return few_panels<7, 1>(a, r0, g0, g1);
+    default: return few_panels<8, 1>(a, r0, g0, g1);
   }
 }
 
 // MT (1..FEW) rows from r0 against panel g, its codes decoded in `decoded`.
-void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, __m512i table, const __m512i* decoded) {
+void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
   switch (mt) {
-    case 1: return few<1, 1, true>(a, r0, g, table, decoded);
-    case 2: return few<2, 1, true>(a, r0, g, table, decoded);
-    case 3: return few<3, 1, true>(a, r0, g, table, decoded);
-    case 4: return few<4, 1, true>(a, r0, g, table, decoded);
-    case 5: return few<5, 1, true>(a, r0, g, table, decoded);
-    case 6: return few<6, 1, true>(a, r0, g, table, decoded);
-    case 7: return few<7, 1, true>(a, r0, g, table, decoded);
-    default: return few<8, 1, true>(a, r0, g, table, decoded);
+    case 1: return few<1, 1, true>(a, r0, g, decoded);
+    case 2: return few<2, 1, true>(a, r0, g, decoded);
+    case 3: return few<3, 1, true>(a, r0, g, decoded);
+    case 4: return few<4, 1, true>(a, r0, g, decoded);
+    case 5: return few<5, 1, true>(a, r0, g, decoded);
+    case 6: return few<6, 1, true>(a, r0, g, decoded);
+    case 7: return few<7, 1, true>(a, r0, g, decoded);
+    default: return few<8, 1, true>(a, r0, g, decoded);
   }
 }
 
 // Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each panel's codes
 // decoded once (K/32 x 16 vectors, in L1/L2) for all of its tiles.
-void panels(const Args& a, int64_t M, int64_t g0, int64_t g1, __m512i table) {
+void panels(const Args& a, int64_t M, int64_t g0, int64_t g1) {
   const auto tiles = row_tiles(M, FEW, FEW);
-  if (tiles.size() == 1) return tile(a, 0, tiles[0].second, g0, g1, table);
+  if (tiles.size() == 1) return tile(a, 0, tiles[0].second, g0, g1);
   std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* p = a.w + g * a.KB * PANEL_BLOCK;
-    for (int64_t b = 0; b < a.KB; ++b)
-      for (int i = 0; i < QK / 2; ++i) decoded[b * 16 + i] = codes16(p + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, table);
-    for (const auto& t : tiles) decoded_tile(a, t.first, t.second, g, table, decoded.data());
+    for (int64_t b = 0; b < a.KB; ++b) {
+      prefetch_block(p + (b + PREFETCH_BLOCKS) * PANEL_BLOCK);  // past the panel's end: the next panel's blocks
+      for (int i = 0; i < QK / 2; i += 2)
+        codes_pairs(p + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, decoded[b * 16 + i], decoded[b * 16 + i + 1]);
+    }
+    for (const auto& t : tiles) decoded_tile(a, t.first, t.second, g, decoded.data());
   }
 }
 
@@ -233,7 +251,7 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
   const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), sums.data(), out, K, KB, N};
   const int64_t count = N / PANEL_ROWS;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (PANEL_ROWS * K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels(a, M, g0, g1, code_table()); });
+  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels(a, M, g0, g1); });
 }
 
 #endif  // QGEMM16

@@ -747,6 +747,32 @@ def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, r
         assert asked[0][:2] == [3, 3] and all(d > 0 for d in drafted)
 
 
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_prophet_never_pooled_is_not_asked_where_the_rows_expectations_do_not_pay(tiny_pair, pays):
+    """Before any acceptance of a prophet is pooled (its drafts so far all cut by the step), the
+    rows' own policies' expectations stand in for it: where no K pays at this batch size the
+    greedy rows do not ask it (else a prophet whose drafts are always cut is paid for at every
+    step and never pools the evidence that would stop it: 0.90x batched plain at 64 server
+    clients); where drafting is cheap it is asked as before."""
+    from specdec.policy import make_policy
+
+    engine = batch_engine(tiny_pair["target"], f"ngram+{tiny_pair['close']}", slots=4,
+                          draft_dtype=torch.float32, multi="first")
+    model = engine.prophet.parts[1]
+    asked: list[list[int]] = []
+    propose = model.propose
+    model.propose = lambda reqs, ks: (asked.append(list(ks)), propose(reqs, ks))[1]
+    engine.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01) if pays else
+                     Costs(1.0, {1: 1.0, 2: 1.6, 3: 2.2, 4: 2.8}, 0.9))
+    assert model.name not in engine._pooled
+    rows = [Request([5, 6, 7, 8 + i], 12, SamplingParams(0.0), 3, None, make_policy("auto", 3)) for i in range(3)]
+    engine.step(rows)
+    if pays:
+        assert asked and any(asked[0])
+    else:  # prior 0.6 a position: no K pays 1.6 plain steps a token verified and 0.9 a drafted one
+        assert all(not any(ks) for ks in asked)
+
+
 @pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
 def test_measuring_costs_on_running_rows_changes_nothing_they_do(prophet):
     """A bucket's costs are measured on the rows of its first step (each prophet's propose,

@@ -492,15 +492,21 @@ class BatchEngine:
 
     def _not_paying(self, active: Sequence[Request], costs: Costs, step_index: int) -> set[str]:
         """Prophets with a drafting cost that no K would pay for at this batch size, at their
-        recent acceptance over every row: batch-free rows do not ask them this step (their
-        draft would be cut to nothing after it was paid for). A lookup costs nothing. Every
+        recent acceptance over every row (until enough of it is pooled, the mean of what the
+        batch-free rows' policies expect of it: the rates the step's cut would weigh): batch-free
+        rows do not ask them this step (their draft would be cut to nothing after it was paid
+        for, and a draft always cut pools no acceptance). A lookup costs nothing. Every
         POOL_PROBE-th step asks them anyway (`step_index`): the estimate stays fresh."""
         if len(active) == 1 or step_index % POOL_PROBE == 0:
             return set()
         k_max = max(r.k for r in active)
+        free = [r for r in active if _batch_free(r) and r.policy is not None]
         out = set()
         for part in self.parts:
             a = self._pooled_rate(part.name)
+            expected = [x for r in free if (x := r.policy.acceptance(part.name)) is not None]  # type: ignore[union-attr]
+            if a is None and expected:
+                a = sum(expected) / len(expected)
             if a is None or not costs.t_draft_by.get(part.name, costs.t_draft) > 0 or k_max < 1:
                 continue
             if costs.best_k(a, k_max, part.name)[1] <= 1.0:

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
+from specdec.openmp import release_pool
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
@@ -73,7 +74,10 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.warm_up:
-            await asyncio.to_thread(scheduler.warm_up)
+            await asyncio.to_thread(_then_release_pool, scheduler.warm_up)
+        # Only the scheduler's thread runs the model from here: the OpenMP workers of the threads
+        # that loaded it and measured its costs would keep its own from spinning (specdec.openmp)
+        release_pool()
         restore = _shut_down_on_exit_signals(asyncio.get_running_loop(), scheduler.shut_down)
         try:
             yield
@@ -386,6 +390,15 @@ class _Shape:
         finally:
             watcher.cancel()
             stream.cancel()
+
+
+def _then_release_pool(fn: Callable[[], Any]) -> Any:
+    """fn(), then the calling thread's OpenMP workers freed (a worker thread that ran the model
+    once: its pool would keep the scheduler's from spinning, specdec.openmp)."""
+    try:
+        return fn()
+    finally:
+        release_pool()
 
 
 def _shut_down_on_exit_signals(loop: asyncio.AbstractEventLoop, shut_down: Callable[[], None]) -> Callable[[], None]:

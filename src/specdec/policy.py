@@ -188,12 +188,8 @@ class AutoPolicy(Policy):
 
     # break_even above 1: the stored costs are minimums measured on a short placeholder
     # context, and real rounds came out ~4% dearer than predicted (SmolLM2 int4, eagle rounds
-    # of K = 1-3 at temperature 1 on Spec-Bench: 1.29-1.65 plain steps against 1.25-1.57).
-    # 1.04 until the prefetching bfloat16 kernel made a one-token step cheaper against a pass
-    # of several: then eagle kept drafting K = 1 at 30-40% acceptance on short chat answers
-    # (8 questions x 32 tokens, greedy, 3 interleaved runs: 0.90x plain; with 1.10: 0.97x;
-    # Spec-Bench greedy 1.11x -> 1.16x, T=1 1.13x -> 1.07x, within its run-to-run spread)
-    def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.10,
+    # of K = 1-3 at temperature 1 on Spec-Bench: 1.29-1.65 plain steps against 1.25-1.57)
+    def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.04,
                  prior_a: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
                  resume_weight: float = 0.5, prior_a_sampled: float = 0.4,
                  resume_weight_sampled: float = 1.0) -> None:

@@ -118,18 +118,19 @@ struct Args {
 
 // y = T + M for rows [r0, r0 + MT) and weight rows 16 g .. 16 g + 16 NV of panels p[0..NV): the minimums' sums.
 template <int MT, int NV>
+// Each block's m - 128 d is computed once for the tile's rows.
 inline void finish(const Args& a, const uint8_t* const* p, int64_t r0, int64_t n0, const __m512 (&T)[MT][NV]) {
-  for (int r = 0; r < MT; ++r) {
-    const float* s = a.sums + (r0 + r) * a.KB;
-    for (int v = 0; v < NV; ++v) {
-      __m512 m = _mm512_setzero_ps();
-      for (int64_t b = 0; b < a.KB; ++b) {
-        const uint8_t* pb = p[v] + b * PANEL_BLOCK;
-        const __m512 shifted = _mm512_sub_ps(scales(pb + 32), _mm512_mul_ps(scales(pb), _mm512_set1_ps(128.0f)));
-        m = _mm512_add_ps(m, _mm512_mul_ps(shifted, _mm512_set1_ps(s[b])));
-      }
-      _mm512_storeu_ps(a.out + (r0 + r) * a.N + n0 + PANEL_ROWS * v, _mm512_add_ps(T[r][v], m));
+  for (int v = 0; v < NV; ++v) {
+    __m512 m[MT];
+    for (int r = 0; r < MT; ++r) m[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.KB; ++b) {
+      const uint8_t* pb = p[v] + b * PANEL_BLOCK;
+      const __m512 shifted = _mm512_sub_ps(scales(pb + 32), _mm512_mul_ps(scales(pb), _mm512_set1_ps(128.0f)));
+      for (int r = 0; r < MT; ++r)
+        m[r] = _mm512_add_ps(m[r], _mm512_mul_ps(shifted, _mm512_set1_ps(a.sums[(r0 + r) * a.KB + b])));
     }
+    for (int r = 0; r < MT; ++r)
+      _mm512_storeu_ps(a.out + (r0 + r) * a.N + n0 + PANEL_ROWS * v, _mm512_add_ps(T[r][v], m[r]));
   }
 }
 

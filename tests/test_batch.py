@@ -773,6 +773,29 @@ def test_a_prophet_never_pooled_is_not_asked_where_the_rows_expectations_do_not_
         assert all(not any(ks) for ks in asked)
 
 
+def test_a_prophets_measured_drafting_is_at_least_its_drafting_timed_alone(tiny_pair, monkeypatch):
+    """A round less its pass is a difference of two noisy times (with many rows it came out 0 for
+    eagle: drafts counted free): the drafting each round implies is floored by the same drafting
+    timed alone. Timings made up so the difference is 0: the per-token cost is the alone time's."""
+    import specdec.batch as batch_module
+
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=2, draft_dtype=torch.float32)
+    name = engine.parts[0].name
+
+    def made_up(fns, repeats, after=lambda: None):  # pass n: 10 ms; a round: its pass' time; alone: 2 ms a token
+        out = {}
+        for key in fns:
+            fns[key]()
+            after()
+            out[key] = 0.010 if not isinstance(key, tuple) or len(key) == 2 else 0.002 * key[1]
+        return out
+
+    monkeypatch.setattr(batch_module, "interleaved_minimums", made_up)
+    costs = engine.measure(2, 3, [5, 6, 7, 8])
+    assert costs.t_draft_by[name] == pytest.approx(0.002 / 2) and costs.t_call_by[name] == pytest.approx(0.0)
+    assert costs.sampled is not None and costs.sampled.t_draft_by[name] == pytest.approx(0.002 / 2)
+
+
 @pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
 def test_measuring_costs_on_running_rows_changes_nothing_they_do(prophet):
     """A bucket's costs are measured on the rows of its first step (each prophet's propose,

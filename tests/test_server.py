@@ -434,3 +434,26 @@ def test_a_request_may_ask_for_another_policy(tiny_pair):
             if pol == "fixed":
                 ks = [len(ch["specdec"]["drafted_ids"]) for ch in chunks if ch.get("specdec")]
                 assert len(ks) > 4 and set(ks[1:-3]) == {3}, ks  # every round but the last few drafts K
+
+
+def test_startup_frees_the_openmp_pools_of_the_threads_that_ran_the_model_before_the_scheduler(decoder, monkeypatch):
+    """The warm-up's thread (after measuring the step costs) and the lifespan's own thread free
+    their OpenMP workers before the scheduler's thread runs the model (specdec.openmp: with more
+    pools than CPUs a step's workers sleep and wake at every parallel region); the server then
+    answers as before."""
+    from specdec.openmp import release_pool
+    from specdec.server import app as app_module
+
+    calls: list[int] = []
+
+    def recorded() -> bool:
+        calls.append(threading.get_ident())
+        return release_pool()
+
+    monkeypatch.setattr(app_module, "release_pool", recorded)
+    app = create_app(decoder, "tiny", ServerConfig())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        assert len(calls) == 2 and calls[0] != calls[1]  # the warm-up's thread, then the lifespan's
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "def f(", "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain_text(decoder, "def f(", 6)
+    assert len(calls) == 2  # serving and shutting down free nothing more

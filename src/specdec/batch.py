@@ -469,9 +469,7 @@ class BatchEngine:
             return list(lens)
         default = self.prophet.name if self.prophet is not None else None
         row_names = [n or default for n in names] if names else [default] * len(active)
-        rates = [p if (p := self._pooled_rate(n)) is not None else
-                 a if r.policy is not None and (a := r.policy.acceptance(n)) is not None else 0.999
-                 for r, n in zip(active, row_names, strict=True)]
+        rates = [a if (a := self._rate(r, n)) is not None else 0.999 for r, n in zip(active, row_names, strict=True)]
         # The step drafts as long as its costliest prophet in use (a lookup costs nothing).
         used = {n for n, k in zip(row_names, lens, strict=True) if k and n}
         prophet = max(used, key=lambda n: costs.t_draft_by.get(n, costs.t_draft), default=default)
@@ -483,6 +481,15 @@ class BatchEngine:
 
         best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
         return [min(n, best) for n in lens]
+
+    def _rate(self, req: Request, prophet: str | None) -> float | None:
+        """The per-position acceptance a step weighs for a row's drafts by `prophet`: its recent
+        acceptance pooled over every row once there is enough of it, else what the row's own
+        policy expects of it (None where the policy keeps no estimate)."""
+        pooled = self._pooled_rate(prophet)
+        if pooled is not None:
+            return pooled
+        return req.policy.acceptance(prophet) if req.policy is not None else None
 
     def _pooled_rate(self, prophet: str | None) -> float | None:
         """The recent per-position acceptance of a prophet over every row, once there is
@@ -500,13 +507,13 @@ class BatchEngine:
         if len(active) == 1 or step_index % POOL_PROBE == 0:
             return set()
         k_max = max(r.k for r in active)
-        free = [r for r in active if _batch_free(r) and r.policy is not None]
+        free = [r for r in active if _batch_free(r)]
         out = set()
         for part in self.parts:
             a = self._pooled_rate(part.name)
-            expected = [x for r in free if (x := r.policy.acceptance(part.name)) is not None]  # type: ignore[union-attr]
-            if a is None and expected:
-                a = sum(expected) / len(expected)
+            if a is None:  # nothing pooled yet (its drafts so far all cut): the mean of the rows' own expectations
+                expected = [x for r in free if (x := self._rate(r, part.name)) is not None]
+                a = sum(expected) / len(expected) if expected else None
             if a is None or not costs.t_draft_by.get(part.name, costs.t_draft) > 0 or k_max < 1:
                 continue
             if costs.best_k(a, k_max, part.name)[1] <= 1.0:

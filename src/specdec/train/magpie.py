@@ -196,14 +196,18 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     prompts = [{"category": "magpie", "text": q} for q in questions]
     prompts += [{"category": c, "text": t} for c, t in task_prompts(n_tasks - n_tasks // 4, seed)]
     # passages the target writes (T=0.7), then summaries / questions / extraction over them
-    requests = passage_requests(n_tasks // 4, seed)
+    # (a passage cut off at 320 tokens ends at its last full sentence: 7 of 32 ended on their own)
+    requests = passage_requests(n_tasks // 8, seed)
     passages = []
     end = int(tokenizer.eos_token_id)
     for i in range(0, len(requests), 64):
         enc = [chat_ids(tokenizer, r) for r in requests[i : i + 64]]
         for toks, _ in continue_rows(lm, enc, 320, {end}, 0.7, 1.0, gen, False):
-            if toks and toks[-1] == end and len(toks) > 60:
-                passages.append(tokenizer.decode(toks[:-1]).strip())
+            text = tokenizer.decode(toks[:-1] if toks and toks[-1] == end else toks).strip()
+            if toks and toks[-1] != end:
+                text = text[: max(text.rfind(". "), text.rfind(".\n")) + 1]
+            if len(text.split()) > 40:
+                passages.append(text)
     log(f"passages: {len(passages)} of {len(requests)} kept")
     prompts += [{"category": c, "text": t} for c, t in over_passage(passages, seed)]
     # some of the project's own chat prompts (stdlib-based), so its own suite does not regress
@@ -249,6 +253,94 @@ def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size
     return out_dir
 
 
+def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
+    """The shards' token ids, without their features, in one small compressed file that can
+    live in the repository (a cache directory does not outlive a machine): per sequence its
+    ids (prompt and answer), prompt length, category, temperature and shard, in the shards'
+    order, so `features_from_ids` rebuilds the same shards and the same held-out split."""
+    import numpy as np
+
+    ids: list[list[int]] = []
+    meta: dict[str, list[Any]] = {"prompt_len": [], "category": [], "temperature": [], "shard": []}
+    layers: tuple[int, ...] = ()
+    for shard_path in sorted(data_dir.glob("shard-*.pt")):
+        shard = torch.load(shard_path, weights_only=False)
+        layers = tuple(shard.get("fused_layers", layers))
+        bi = int(shard_path.stem.split("-")[1])
+        for seq, p_len, cat in zip(shard["ids"], shard["prompt_len"], shard["category"], strict=True):
+            ids.append(list(seq))
+            meta["prompt_len"].append(int(p_len))
+            meta["category"].append(str(cat))
+            meta["temperature"].append(float(shard["temperature"]))
+            meta["shard"].append(bi)
+    if not ids:
+        raise FileNotFoundError(f"no shards in {data_dir}: run specdec.train.magpie first")
+    if max(max(s) for s in ids) >= 1 << 16:
+        raise ValueError("token ids above 65535 do not fit the file's uint16")
+    cats = sorted(set(meta["category"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, tokens=np.array([t for s in ids for t in s], dtype=np.uint16),
+                        lengths=np.array([len(s) for s in ids], dtype=np.int32),
+                        prompt_len=np.array(meta["prompt_len"], dtype=np.int32),
+                        category=np.array([cats.index(c) for c in meta["category"]], dtype=np.uint8),
+                        categories=np.array(cats), temperature=np.array(meta["temperature"], dtype=np.float64),
+                        shard=np.array(meta["shard"], dtype=np.int32), fused_layers=np.array(layers, dtype=np.int32))
+    return {"sequences": len(ids), "tokens": sum(len(s) for s in ids),
+            "answer_tokens": sum(len(s) - p for s, p in zip(ids, meta["prompt_len"], strict=True))}
+
+
+def read_ids(path: Path) -> list[dict[str, Any]]:
+    """The sequences of an `export_ids` file, in its order."""
+    import numpy as np
+
+    z = np.load(path)
+    ends = np.cumsum(z["lengths"])
+    cats = [str(c) for c in z["categories"]]
+    return [{"ids": z["tokens"][e - n : e].astype(np.int64).tolist(), "prompt_len": int(p),
+             "category": cats[int(c)], "temperature": float(t), "shard": int(b)}
+            for e, n, p, c, t, b in zip(ends, z["lengths"], z["prompt_len"], z["category"], z["temperature"],
+                                        z["shard"], strict=True)]
+
+
+@torch.inference_mode()
+def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: int = 32,
+                      log: Any = print) -> Path:
+    """Shards as `generate` writes them, rebuilt from an `export_ids` file: the target reads
+    each sequence once (teacher forcing, bf16 where the CPU computes it natively), keeping its
+    last feature and the fused layers' outputs at every position but the last; sequences of
+    similar length share a pass. Resumable: a shard already there is skipped."""
+    from specdec.wiring import default_draft_dtype, load_pretrained
+
+    seqs = read_ids(path)
+    by_shard: dict[int, list[dict[str, Any]]] = {}
+    for s in seqs:
+        by_shard.setdefault(s["shard"], []).append(s)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, _ = load_pretrained(target, default_draft_dtype())
+    lm = BatchLlama(model, target, rows)
+    capture = fused_layers(len(lm.layers))
+    d = lm.embed.shape[1]
+    gen = torch.Generator().manual_seed(0)
+
+    def answer(bi: int) -> tuple[dict[str, Any], int]:
+        group = by_shard[bi]
+        feats: list[torch.Tensor | None] = [None] * len(group)
+        order = sorted(range(len(group)), key=lambda i: len(group[i]["ids"]))
+        for j in range(0, len(order), rows):
+            part = order[j : j + rows]
+            done = continue_rows(lm, [group[i]["ids"][:-1] for i in part], 0, set(), 0.0, 1.0, gen, True, capture)
+            for i, (_, h) in zip(part, done, strict=True):
+                feats[i] = h
+        kept = [f for f in feats if f is not None]  # every one (keep_hidden)
+        return {"ids": [s["ids"] for s in group], "hidden": [f[:, :d].contiguous() for f in kept],
+                "fused": [f[:, d:].contiguous() for f in kept], "fused_layers": capture,
+                "prompt_len": [s["prompt_len"] for s in group], "category": [s["category"] for s in group],
+                "temperature": group[0]["temperature"]}, sum(len(s["ids"]) - s["prompt_len"] for s in group)
+
+    answer_into_shards(out_dir, sorted(by_shard), None, "features from stored ids", answer, log)
+    return out_dir
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -262,7 +354,17 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 when other work shares a 2-core machine: spinning threads crawl)")
+    ap.add_argument("--export", type=Path, default=None,
+                    help="write the token ids of --out's shards to this .npz file (no generation)")
+    ap.add_argument("--from-ids", type=Path, default=None,
+                    help="rebuild --out's shards (features included) from an --export file (no generation)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.export is not None:
+        print(export_ids(a.out, a.export))
+        raise SystemExit(0)
+    if a.from_ids is not None:
+        features_from_ids(a.from_ids, a.out)
+        raise SystemExit(0)
     generate("smollm2", a.out, a.magpie, a.tasks, a.batch_size, a.max_new, seed=a.seed, minutes=a.minutes)

@@ -39,7 +39,13 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
     d = cfg["data"]
     t0 = time.perf_counter()
     minutes = data_minutes if data_minutes is not None else d.get("minutes")
-    if d.get("source", "chat") == "broad":  # Magpie questions + task templates (specdec.train.magpie)
+    ids = Path(d["ids"]) if d.get("ids") else None
+    if d.get("source", "chat") == "broad" and ids is not None and ids.exists():
+        # the answers the repository keeps (token ids only): the features rebuilt by one teacher-forced pass
+        from specdec.train.magpie import features_from_ids
+
+        data_dir = features_from_ids(ids, work / "broad", paths["target"], log=log)
+    elif d.get("source", "chat") == "broad":  # Magpie questions + task templates (specdec.train.magpie)
         from specdec.train.magpie import generate
 
         data_dir = work / "broad"

@@ -98,6 +98,7 @@ def test_exported_ids_rebuild_the_same_shards_features_included(tmp_path):
     assert info["sequences"] == len(seqs) and info["tokens"] == sum(len(s["ids"]) for s in seqs)
     assert np.load(tmp_path / "ids.npz")["tokens"].dtype == np.uint16
     rebuilt = features_from_ids(tmp_path / "ids.npz", tmp_path / "again", rows=3, log=lambda *a: None)
+    assert torch.load(rebuilt / "prompts.pt", weights_only=False) == torch.load(out / "prompts.pt", weights_only=False)
     shards = sorted(out.glob("shard-*.pt"))
     assert [s.name for s in shards] == [s.name for s in sorted(rebuilt.glob("shard-*.pt"))]
     for path in shards:

@@ -257,7 +257,8 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
     """The shards' token ids, without their features, in one small compressed file that can
     live in the repository (a cache directory does not outlive a machine): per sequence its
     ids (prompt and answer), prompt length, category, temperature and shard, in the shards'
-    order, so `features_from_ids` rebuilds the same shards and the same held-out split."""
+    order, so `features_from_ids` rebuilds the same shards and the same held-out split; and the
+    whole prompt list, so that `generate` can go on answering where the shards stop."""
     import numpy as np
 
     ids: list[list[int]] = []
@@ -278,8 +279,11 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
     if max(max(s) for s in ids) >= 1 << 16:
         raise ValueError("token ids above 65535 do not fit the file's uint16")
     cats = sorted(set(meta["category"]))
+    prompts = torch.load(data_dir / "prompts.pt", weights_only=False) if (data_dir / "prompts.pt").exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, tokens=np.array([t for s in ids for t in s], dtype=np.uint16),
+    np.savez_compressed(path, prompt_texts=np.array([q["text"] for q in prompts]),
+                        prompt_categories=np.array([q["category"] for q in prompts]),
+                        tokens=np.array([t for s in ids for t in s], dtype=np.uint16),
                         lengths=np.array([len(s) for s in ids], dtype=np.int32),
                         prompt_len=np.array(meta["prompt_len"], dtype=np.int32),
                         category=np.array([cats.index(c) for c in meta["category"]], dtype=np.uint8),
@@ -308,7 +312,10 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
     """Shards as `generate` writes them, rebuilt from an `export_ids` file: the target reads
     each sequence once (teacher forcing, bf16 where the CPU computes it natively), keeping its
     last feature and the fused layers' outputs at every position but the last; sequences of
-    similar length share a pass. Resumable: a shard already there is skipped."""
+    similar length share a pass. Resumable: a shard already there is skipped. The prompt list
+    goes to out_dir/prompts.pt, so `generate(out_dir, batch_size=128)` answers the rest."""
+    import numpy as np
+
     from specdec.wiring import default_draft_dtype, load_pretrained
 
     seqs = read_ids(path)
@@ -316,6 +323,11 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
     for s in seqs:
         by_shard.setdefault(s["shard"], []).append(s)
     out_dir.mkdir(parents=True, exist_ok=True)
+    z = np.load(path)
+    if "prompt_texts" in z and len(z["prompt_texts"]) and not (out_dir / "prompts.pt").exists():
+        # the whole prompt list: `generate` into out_dir (same batch size) answers the batches not answered yet
+        torch.save([{"category": str(c), "text": str(t)} for c, t in zip(z["prompt_categories"], z["prompt_texts"],
+                                                                         strict=True)], out_dir / "prompts.pt")
     model, _ = load_pretrained(target, default_draft_dtype())
     lm = BatchLlama(model, target, rows)
     capture = fused_layers(len(lm.layers))

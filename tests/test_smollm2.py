@@ -150,13 +150,21 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     got = prophet.draft_logits(h)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # whatever the dtype of its own layers (default_draft_dtype, or the caller's)
+    # its own layers' products run on Q8_0 blocks too (float32 activations), whatever draft dtype is asked
+    for b in prophet.head.blocks:
+        assert b.products is not None and all(isinstance(w, Int4Weight) and w.blocks is not None for w in b.products)
+        x = torch.randn(2, b.up.weight.shape[1], generator=torch.Generator().manual_seed(1))
+        want = x @ qgemm.dequantize_q8_0(b.products[0].blocks.data).T
+        assert torch.allclose(b.products[0].mm(x), want, atol=1e-4, rtol=1e-4)
+        ref = x @ b.up.weight.detach().T  # Q8_0 of the trained weights: within 1% of their products
+        assert float((want - ref).norm() / ref.norm()) < 0.01
+    float_bytes = sum(p.numel() * 4 for p in prophet.head.parameters())
+    assert 3 * weight_bytes(prophet.head) < float_bytes  # the roofline counts the blocks a step reads
     other = torch.float32 if prophet.dtype == torch.bfloat16 else torch.bfloat16
     other_decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), draft_dtype=other)
     chosen = other_decoder.prophets[0]
-    assert chosen.dtype == other and chosen.block_head is not None
-    # their step costs are stored apart (a prophet's dtype and head are in the key)
-    assert other_decoder.costs_key()["prophets"] != decoder.costs_key()["prophets"]
+    assert chosen.dtype == prophet.dtype == torch.float32 and chosen.block_head is not None
+    assert other_decoder.costs_key()["prophets"] == decoder.costs_key()["prophets"]  # the same step
     h16 = h.to(other)
     assert torch.equal(chosen.draft_logits(h16), prophet.block_head.mm(h16.float()))
 

@@ -25,8 +25,11 @@ def weight_bytes(w: Any) -> int:
         return 0
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
-    if isinstance(w, torch.nn.Module):
-        return sum(weight_bytes(p) for p in w.parameters())
+    if isinstance(w, torch.nn.Module):  # a module running its products on block weights reads those
+        products = getattr(w, "products", None)
+        if products is not None:
+            return weight_bytes(products)
+        return sum(weight_bytes(p) for p in w.parameters(recurse=False)) + sum(weight_bytes(m) for m in w.children())
     if isinstance(w, dict):
         return sum(weight_bytes(v) for v in w.values())
     if isinstance(w, (list, tuple)):

@@ -112,3 +112,35 @@ def test_exported_ids_rebuild_the_same_shards_features_included(tmp_path):
                 assert x.shape == y.shape
                 err = (x.float() - y.float()).norm(dim=-1) / x.float().norm(dim=-1)
                 assert float(err.max()) < 0.05 and float(err.mean()) < 0.02, (key, float(err.max()))
+
+
+def test_the_int4_engine_answers_ids_only_and_the_features_come_after(tmp_path):
+    """engine="int4": the decoder users run answers (token ids, the EOS kept, as generate gives
+    them alone for the same seed), then `add_features` gives every shard the features the
+    prophets' training reads, rewriting each shard once."""
+    import specdec
+    from specdec.train.eagle3 import load_sequences
+    from specdec.train.magpie import add_features, generate
+
+    out = tmp_path / "broad"
+    torch.manual_seed(0)
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=6, seed=1, log=lambda *a: None,
+             engine="int4")
+    shards = sorted(out.glob("shard-*.pt"))
+    first = torch.load(shards[0], weights_only=False)
+    assert "hidden" not in first and len(first["ids"]) == 4
+    decoder = specdec.load("smollm2", draft="none")
+    p_len, seq = first["prompt_len"][0], first["ids"][0]
+    if first["temperature"] == 0:
+        alone = decoder.generate(seq[:p_len], max_new_tokens=6, temperature=0, stop=[])
+        assert seq[p_len:] == list(alone.token_ids)
+    add_features(out, rows=3, log=lambda *a: None)
+    for path in shards:
+        shard = torch.load(path, weights_only=False)
+        for ids, hidden, fused in zip(shard["ids"], shard["hidden"], shard["fused"], strict=True):
+            assert hidden.shape == (len(ids) - 1, 576) and fused.shape == (len(ids) - 1, 3 * 576)
+    train, held, layers = load_sequences(out, 768, heldout_every=2)
+    assert len(train) + len(held) > 0 and len(layers) == 3
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    add_features(out, log=lambda *a: None)
+    assert [s.stat().st_mtime_ns for s in shards] == stamps  # nothing computed twice

@@ -46,12 +46,13 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
 
         data_dir = features_from_ids(ids, work / "broad", paths["target"], log=log)
     elif d.get("source", "chat") == "broad":  # Magpie questions + task templates (specdec.train.magpie)
-        from specdec.train.magpie import generate
+        from specdec.train.magpie import add_features, generate
 
         data_dir = work / "broad"
         generate(paths["target"], data_dir, int(d["magpie"]), int(d["tasks"]), int(d["batch_size"]),
                  int(d["max_new_tokens"]), tuple(float(t) for t in d["temperatures"]), int(d.get("seed", 0)),
-                 minutes, log=log)
+                 minutes, log=log, engine=str(d.get("engine", "bf16")))
+        add_features(data_dir, paths["target"], log=log)  # shards the int4 engine answered: ids only so far
     else:  # the stdlib-based chat prompts (specdec.data.chat)
         data_dir = work / "data"
         generate_data(paths["target"], data_dir, n_prompts=int(d["prompts"]), batch_size=int(d["batch_size"]),

@@ -171,7 +171,7 @@ class FeatureProphet:
             from specdec.int4 import Int4Weight, quantize_q8_0
 
             head = copy.deepcopy(head).float()
-            for b in head.blocks:
+            for b in head.blocks:  # every block is a ResidualMLP (FeatureHead)
                 assert isinstance(b, ResidualMLP)
                 b.products = (Int4Weight(quantize_q8_0(b.up.weight.detach())),
                               Int4Weight(quantize_q8_0(b.down.weight.detach())))

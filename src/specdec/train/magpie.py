@@ -34,7 +34,7 @@ from specdec.batch import BatchLlama
 from specdec.data.tasks import over_passage, passage_requests, task_prompts
 from specdec.fastllama import LlamaWeights
 from specdec.prophets.eagle3 import fused_layers
-from specdec.train.selfdistill import answer_into_shards, chat_ids
+from specdec.train.selfdistill import answer_into_shards, chat_ids, save_atomic
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -290,10 +290,8 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
 
     ids: list[list[int]] = []
     meta: dict[str, list[Any]] = {"prompt_len": [], "category": [], "temperature": [], "shard": []}
-    layers: tuple[int, ...] = ()
     for shard_path in sorted(data_dir.glob("shard-*.pt")):
-        shard = torch.load(shard_path, weights_only=False)
-        layers = tuple(shard.get("fused_layers", layers))
+        shard = torch.load(shard_path, weights_only=False, mmap=True)  # its ids only are read
         bi = int(shard_path.stem.split("-")[1])
         for seq, p_len, cat in zip(shard["ids"], shard["prompt_len"], shard["category"], strict=True):
             ids.append(list(seq))
@@ -315,7 +313,7 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
                         prompt_len=np.array(meta["prompt_len"], dtype=np.int32),
                         category=np.array([cats.index(c) for c in meta["category"]], dtype=np.uint8),
                         categories=np.array(cats), temperature=np.array(meta["temperature"], dtype=np.float64),
-                        shard=np.array(meta["shard"], dtype=np.int32), fused_layers=np.array(layers, dtype=np.int32))
+                        shard=np.array(meta["shard"], dtype=np.int32))
     return {"sequences": len(ids), "tokens": sum(len(s) for s in ids),
             "answer_tokens": sum(len(s) - p for s, p in zip(ids, meta["prompt_len"], strict=True))}
 
@@ -340,11 +338,11 @@ def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: A
     natively), keeping its last feature and the fused layers' outputs at every position but
     the last; sequences of similar length share a pass. Each shard is rewritten atomically, so
     an interrupted run resumes."""
-    import os
-
     from specdec.wiring import default_draft_dtype, load_pretrained
 
-    todo = [p for p in sorted(data_dir.glob("shard-*.pt")) if "hidden" not in torch.load(p, weights_only=False)]
+    # memory-mapped: which shards have features is seen without reading them (150 MB a shard)
+    todo = [p for p in sorted(data_dir.glob("shard-*.pt"))
+            if "hidden" not in torch.load(p, weights_only=False, mmap=True)]
     if not todo:
         return data_dir
     model, _ = load_pretrained(target, default_draft_dtype())
@@ -366,9 +364,7 @@ def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: A
         kept = [f for f in feats if f is not None]  # every one (keep_hidden)
         shard.update({"hidden": [f[:, :d].contiguous() for f in kept], "fused": [f[:, d:].contiguous() for f in kept],
                       "fused_layers": capture})
-        tmp = path.with_suffix(".tmp")
-        torch.save(shard, tmp)
-        os.replace(tmp, path)
+        save_atomic(shard, path)
         positions = sum(len(s) - 1 for s in seqs)
         log(f"features: {path.name} ({n + 1} of {len(todo)}), {positions / (time.perf_counter() - t0):.0f} positions/s")
     return data_dir
@@ -381,8 +377,6 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
     last feature and the fused layers' outputs at every position but the last; sequences of
     similar length share a pass. Resumable: a shard already there is skipped. The prompt list
     goes to out_dir/prompts.pt, so `generate(out_dir, batch_size=128)` answers the rest."""
-    import os
-
     import numpy as np
 
     seqs = read_ids(path)
@@ -399,10 +393,8 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
         shard_path = out_dir / f"shard-{bi:05d}.pt"
         if shard_path.exists():
             continue
-        tmp = shard_path.with_suffix(".tmp")
-        torch.save({"ids": [s["ids"] for s in group], "prompt_len": [s["prompt_len"] for s in group],
-                    "category": [s["category"] for s in group], "temperature": group[0]["temperature"]}, tmp)
-        os.replace(tmp, shard_path)
+        save_atomic({"ids": [s["ids"] for s in group], "prompt_len": [s["prompt_len"] for s in group],
+                     "category": [s["category"] for s in group], "temperature": group[0]["temperature"]}, shard_path)
     return add_features(out_dir, target, rows, log)
 
 

@@ -39,6 +39,14 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
+def save_atomic(obj: Any, path: Path) -> None:
+    """torch.save to path all at once: written beside it, then renamed (a reader, or a run that
+    resumes after an interruption, never sees half a shard)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def answer_into_shards(out_dir: Path, visit: list[int], deadline: float | None, label: str,
                        answer: Callable[[int], tuple[dict[str, Any], int]], log: Any = print) -> None:
     """Answer batch `bi` for each bi in `visit` into out_dir/shard-{bi}.pt, one batch at a time,
@@ -62,9 +70,7 @@ def answer_into_shards(out_dir: Path, visit: list[int], deadline: float | None, 
             t0 = time.perf_counter()
             shard, new = answer(bi)
             total += new
-            tmp = path.with_suffix(".tmp")
-            torch.save(shard, tmp)
-            os.replace(tmp, path)
+            save_atomic(shard, path)
             bar.update(task, advance=1, tok=f"{new / (time.perf_counter() - t0):.0f} answer tok/s, {total:,} this run")
 
 

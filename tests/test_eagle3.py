@@ -27,10 +27,12 @@ def _tables(t, hd=8):
 
 
 @pytest.mark.parametrize("split", [None, 3])
-def test_drafting_runs_the_layer_as_training_unrolls_it(split):
+@pytest.mark.parametrize("loop", ["C++", "python"])
+def test_drafting_runs_the_layer_as_training_unrolls_it(split, loop):
     """Slots fed true features then the layer's own outputs (the runtime, caches by slot)
     give the outputs of the training-time test at the last origin, step by step; feeding the
-    true slots in two calls (a catch-up after a round) changes nothing."""
+    true slots in two calls (a catch-up after a round) changes nothing. Both ways of running
+    the layer: as a one-layer stack of the C++ layer loop, and op by op."""
     net, dim, t, steps = _net(), 32, 9, 3
     cos, sin = _tables(t + steps)
     torch.manual_seed(1)
@@ -41,6 +43,14 @@ def test_drafting_runs_the_layer_as_training_unrolls_it(split):
     with torch.no_grad():
         outs = net.unrolled(fused, embed[ids[1:]][None], cos, sin, steps)
     rt = Eagle3Runtime(net, torch.arange(vocab), (0, 1, 2), embed, torch.randn(vocab, dim), cos, sin, slots=2)
+    if loop == "python":
+        rt.stack = None
+    else:
+        from specdec import qgemm
+
+        if not qgemm.available():
+            pytest.skip("the C++ extension does not build here")
+        assert rt.stack is not None
     toks = ids.tolist()
     if split is None:
         g = rt.run([1], [0], [fused[0]], [toks[1 : t + 1]], [True])
@@ -144,3 +154,27 @@ def test_eagle3_on_the_one_loop_is_exact_at_temperature_1(tiny_pair, tiny_eagle3
 def test_eagle3_needs_the_lean_llama_path(tiny_pair, tiny_eagle3):
     with pytest.raises(ValueError, match="lean path"):
         load(tiny_pair["target"], draft=tiny_eagle3, backend="hf")
+
+
+def test_rows_of_different_lengths_run_in_one_stack_pass_as_alone():
+    """The C++ stack runs every row's slots in one padded pass: rows fed 5, 1 and 3 slots at
+    once give the outputs each gives alone, and leave the same keys in its cache."""
+    from specdec import qgemm
+
+    if not qgemm.available():
+        pytest.skip("the C++ extension does not build here")
+    net, dim = _net(), 32
+    cos, sin = _tables(16)
+    torch.manual_seed(2)
+    embed = torch.randn(50, dim)
+    rt = Eagle3Runtime(net, torch.arange(50), (0, 1, 2), embed, torch.randn(50, dim), cos, sin, slots=3)
+    alone = rt.view(3)
+    feats = [torch.randn(m, 3 * dim) for m in (5, 1, 3)]
+    toks = [[1, 2, 3, 4, 5], [7], [9, 8, 7]]
+    starts = [0, 4, 2]
+    together = rt.run([0, 1, 2], starts, feats, toks, [True] * 3)
+    for b in range(3):
+        one = alone.run([b], [starts[b]], [feats[b]], [toks[b]], [True])
+        torch.testing.assert_close(together[b], one[0], rtol=1e-5, atol=1e-5)
+        end = starts[b] + len(toks[b])
+        torch.testing.assert_close(rt.k_slots[b][:, :, starts[b]:end], alone.k_slots[b][:, :, starts[b]:end])

@@ -211,6 +211,29 @@ class Eagle3Runtime:
             self.w: dict[str, Any] = {k: self._product(v) for k, v in weights.items()}
         self.k_slots: list[torch.Tensor | None] = [None] * slots
         self.v_slots: list[torch.Tensor | None] = [None] * slots
+        half = self.sin.shape[-1] // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # rope as roll(x) * sin_signed
+        self.stack = self._stack()
+
+    def _stack(self) -> Any:
+        """The layer as a one-layer stack of the target's C++ layer loop (specdec.layerloop: its
+        RMSNorm, rotary positions, attention of one query and products, without the interpreter's
+        ~40 operations a draft step), or None where the extension does not build or a product
+        is not on its kernels (then `run` runs the layer op by op)."""
+        from specdec import layerloop
+
+        module = layerloop.kernels()
+        if module is None or layerloop.loop_choice() == "python" or self.embed.device.type != "cpu":
+            return None
+        from specdec.defaults import PREFILL_CHUNK
+
+        products = [layerloop._product(module, self.w[name], "") for name in ("qkv", "o", "gate_up", "down")]
+        if any(p is None for p in products):
+            return None
+        n = self.net
+        stack = module.Stack(n.n_heads, n.n_kv, n.head_dim, float(n.eps), PREFILL_CHUNK, False)
+        stack.add_layer(n.norm_attn.detach().float().contiguous(), n.norm_mlp.detach().float().contiguous(), products)
+        return stack
 
     def _product(self, w: torch.Tensor) -> Any:
         if not self.int4:
@@ -258,6 +281,8 @@ class Eagle3Runtime:
         token); keys and values written there, queries attending causally over the row's
         cache (only the last slot's output is computed). Returns each row's last output (B, D)."""
         net, dev = self.net, self.embed.device
+        if self.stack is not None:
+            return self._run_stack(slots, starts, feats, tokens, fused)
         outs = []
         rep = net.n_heads // net.n_kv
         for slot, start, f, toks, is_fused in zip(slots, starts, feats, tokens, fused, strict=True):
@@ -283,6 +308,33 @@ class Eagle3Runtime:
             gate, up = self.mm(rms(x, net.norm_mlp, net.eps), "gate_up").chunk(2, dim=-1)
             outs.append((x + self.mm(F.silu(gate) * up, "down"))[0, 0])
         return torch.stack(outs)
+
+    def _run_stack(self, slots: list[int], starts: list[int], feats: list[torch.Tensor], tokens: list[list[int]],
+                   fused: list[bool]) -> torch.Tensor:
+        """`run` through the C++ stack: every row's slots in one (B, n, D) pass, padded to the
+        longest row (the padding's keys land past the row's slots and are overwritten later)."""
+        net, dev = self.net, self.embed.device
+        counts = [len(t) for t in tokens]
+        n = max(counts)
+        h = torch.cat([self.mm(f.float(), "fuse") if is_fused else f.float() for f, is_fused in zip(feats, fused,
+                                                                                                   strict=True)])
+        e = self.embed[torch.tensor([t for row in tokens for t in row], device=dev)].float()
+        u = self.mm(torch.cat([rms(h, net.norm_h, net.eps), rms(e, net.norm_e, net.eps)], -1), "inp")  # (sum m, D)
+        if all(m == n for m in counts):
+            x = u.view(len(tokens), n, -1)
+        else:
+            x = u.new_zeros(len(tokens), n, u.shape[-1])
+            at = 0
+            for b, m in enumerate(counts):
+                x[b, :m] = u[at : at + m]
+                at += m
+        positions = (torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)).clamp_max(
+            self.cos.shape[0] - 1)
+        buffers = [self._reserve(slot, start + n) for slot, start in zip(slots, starts, strict=True)]
+        out, _ = self.stack.run(x.contiguous(), self.cos[positions][:, None], self.sin_signed[positions][:, None],
+                                [k for k, _ in buffers], [v for _, v in buffers], list(starts), counts, counts, -1,
+                                [])
+        return out[torch.arange(len(tokens), device=dev), torch.tensor(counts, device=dev) - 1]
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (B, N) from the layer's outputs (B, D)."""

@@ -270,7 +270,8 @@ class FeatureBatchProphet:
                     req = reqs[rows[i]]
                     picked[i] = draw(q[n], req.params, req.generator, req.length + j - 1, p.vocab_ids,
                                      self.vocab_size)
-                    probs[rows[i], j - 1] = p.full_probs(q[n])  # type: ignore[index]
+                    # q placed in the full vocabulary where the verifier reads it (0 elsewhere: the tensor's zeros)
+                    probs[rows[i], j - 1].index_copy_(-1, p.vocab_ids, q[n].float())  # type: ignore[index]
             for i, b in enumerate(rows):
                 if k_rows[i] >= j:
                     tokens[b].append(picked[i])

@@ -178,3 +178,32 @@ def test_rows_of_different_lengths_run_in_one_stack_pass_as_alone():
         torch.testing.assert_close(together[b], one[0], rtol=1e-5, atol=1e-5)
         end = starts[b] + len(toks[b])
         torch.testing.assert_close(rt.k_slots[b][:, :, starts[b]:end], alone.k_slots[b][:, :, starts[b]:end])
+
+
+def test_a_layer_of_q8_0_products_runs_alike_in_the_stack_and_op_by_op():
+    """Beside a 4-bit target the layer's products are Q8_0 blocks on the target's block kernel: the C++ stack
+    (one-token draft steps through its raw layers, products into buffers) and the op-by-op loop give the same
+    outputs, up to the order of float32 additions outside the products."""
+    from specdec import qgemm
+
+    if not qgemm.available():
+        pytest.skip("the C++ extension does not build here")
+    torch.manual_seed(3)
+    net = Eagle3Net(64, n_heads=4, n_kv=2, head_dim=16, mlp=96, n_fused=3)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    cos, sin = _tables(24, hd=16)
+    embed = torch.randn(50, 64)
+    rt = Eagle3Runtime(net.eval(), torch.arange(50), (0, 1, 2), embed, torch.randn(50, 64), cos, sin, slots=2,
+                       int4=True)
+    assert rt.stack is not None and not isinstance(rt.w["qkv"], torch.Tensor)
+    slow = rt.view(2)
+    slow.stack = None
+    feats = torch.randn(6, 192)
+    g_fast = rt.run([1], [0], [feats], [[1, 2, 3, 4, 5, 6]], [True])
+    g_slow = slow.run([1], [0], [feats], [[1, 2, 3, 4, 5, 6]], [True])
+    torch.testing.assert_close(g_fast, g_slow, rtol=1e-4, atol=1e-4)
+    for j in range(3):  # one-token steps: the raw layers
+        g_fast = rt.run([1], [6 + j], [g_fast], [[7 + j]], [False])
+        g_slow = slow.run([1], [6 + j], [g_slow], [[7 + j]], [False])
+        torch.testing.assert_close(g_fast, g_slow, rtol=1e-4, atol=1e-4)

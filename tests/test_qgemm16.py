@@ -121,3 +121,77 @@ def test_the_layer_loops_product_returns_the_weights_rows_only() -> None:
     out = product.mm(x)
     assert out.shape == (2, 3, 37)
     assert torch.equal(out.reshape(6, 37), qgemm.q4_1_mm16(x.reshape(6, 96), panels)[:, :37])
+
+
+# ------------------------------------------------------------------------------------------- Q8_0 panels
+def reference8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The Q8_0 kernel's arithmetic in torch: x (M, K) float32, blocks (N, K/32, 34) Q8_0; per output, for each
+    block, even pairs E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i] from 0, odd pairs O likewise, y = y + d (E + O)."""
+    xb = x.bfloat16().float()
+    n, kb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, kb).float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()  # (N, KB, 32): every int8 exact in bfloat16
+    rows = xb.shape[0]
+    prod = xb.reshape(rows, 1, kb, 16, 2) * q.reshape(1, n, kb, 16, 2)  # exact
+    t = torch.zeros(rows, n)
+    for b in range(kb):
+        e, o = torch.zeros(rows, n), torch.zeros(rows, n)
+        for i in range(0, 16, 2):
+            e = (e + prod[:, :, b, i, 1]) + prod[:, :, b, i, 0]
+            o = (o + prod[:, :, b, i + 1, 1]) + prod[:, :, b, i + 1, 0]
+        t = t + d[:, b] * (e + o)
+    return t
+
+
+def test_q8_0_panels_hold_the_files_bytes() -> None:
+    from tests.test_qgemm import q8_0_blocks
+
+    for n in (16, 37, 64):
+        blocks = q8_0_blocks(n, 96, seed=n)
+        panels = qgemm.panel_q8_0(blocks)
+        assert panels.shape == (-(-n // 16), 3, 544) and panels.dtype == torch.uint8
+        back = qgemm.unpanel_q8_0(panels)
+        assert torch.equal(back[:n], blocks) and not back[n:].any()
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        qgemm.panel_q8_0(torch.zeros(16, 3, 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="panels must be uint8"):
+        qgemm.unpanel_q8_0(torch.zeros(1, 3, 320, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("n,k,m", [(37, 64, 1), (50, 576, 2), (48, 576, 5), (19, 1536, 9), (33, 576, 8),
+                                   (33, 576, 23), (64, 576, 64)])
+def test_q8_0_matches_the_reference_bit_for_bit(n: int, k: int, m: int) -> None:
+    from tests.test_qgemm import q8_0_blocks
+
+    blocks = q8_0_blocks(n, k, seed=n + m)  # codes -128..127
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    out = qgemm.q8_0_mm16(x, qgemm.panel_q8_0(blocks))
+    assert out.dtype == torch.float32 and out.shape == (m, -(-n // 16) * 16)
+    assert torch.equal(out[:, :n], reference8(x, blocks)) and not out[:, n:].any()
+    exact = x.double() @ qgemm.dequantize_q8_0(blocks).double().T
+    scale = x.double().abs() @ qgemm.dequantize_q8_0(blocks).double().abs().T
+    assert bool(((out[:, :n].double() - exact).abs() <= 2.0**-8 * scale + 1e-30).all())
+
+
+@pytest.mark.parametrize("n,k", [(1024, 576), (37, 64)])
+def test_q8_0_rows_are_invariant(n: int, k: int, threads: Callable[[int], None]) -> None:
+    from tests.test_qgemm import q8_0_blocks
+
+    sizes = (*ROW_COUNTS, 23, 24, 47, 48, 49, 64)
+    assert_rows_invariant(lambda x, p, impl="auto": qgemm.q8_0_mm16(x, p), qgemm.panel_q8_0(q8_0_blocks(n, k, seed=5)),
+                          k, threads, ["auto"], sizes)
+
+
+def test_the_layer_loops_q8_0_product_is_the_kernels() -> None:
+    """A Q8_0 weight in panels in the layer loop (step.cpp): its product has the kernel's bits (the format picks the
+    kernel; the raw layers' product into a buffer: tests/test_eagle3.py, a layer of Q8_0 products)."""
+    from specdec import layerloop
+    from tests.test_qgemm import q8_0_blocks
+
+    module = qgemm.module()
+    blocks = q8_0_blocks(37, 96, seed=6)
+    panels = qgemm.panel_q8_0(blocks)
+    product = module.Product(layerloop._KINDS["blocks16"], panels, 1, [], [], 37, 96, False)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(product.mm(x).reshape(6, 37), qgemm.q8_0_mm16(x.reshape(6, 96), panels)[:, :37])
+    assert torch.equal(qgemm.q8_0_mm16(x.reshape(6, 96), panels)[:, :37], reference8(x.reshape(6, 96), blocks))

@@ -139,22 +139,27 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     if not (isinstance(head, Int4Weight) and head.blocks is not None):
         assert prophet.block_head is None  # a float head, or PyTorch's int4 kernel: the float rows
         return
-    assert prophet.block_head is not None and prophet.block_head.blocks.data.shape[0] == len(prophet.vocab_ids)
+    assert prophet.block_head is not None and prophet.block_head.out_rows == len(prophet.vocab_ids)
     assert prophet.sub_head is None and prophet.head_weight is prophet.block_head  # the float rows are not kept
-    dequantize = qgemm.dequantize_q8_0 if head.blocks.kind == "Q8_0" else qgemm.dequantize_q4_1
-    rows = dequantize(head.blocks.data[prophet.vocab_ids])  # the same rows in float32
+    blocks = head.blocks.file_blocks()
+    dequantize = qgemm.dequantize_q8_0 if blocks.kind == "Q8_0" else qgemm.dequantize_q4_1
+    rows = dequantize(blocks.data[prophet.vocab_ids])  # the same rows in float32
     assert prophet.block_head.nbytes * 3 < rows.numel() * 4
     assert prophet_step_bytes(prophet) < weight_bytes(prophet.head) + rows.numel() * 4
+
+    def seen(x: torch.Tensor) -> torch.Tensor:  # the activations as the kernel reads them (bfloat16 on blocks16)
+        return x.bfloat16().float() if head.kernel == "blocks16" else x
+
     h = torch.randn(3, rows.shape[1], generator=torch.Generator().manual_seed(0))
-    want = h @ rows.T
+    want = seen(h) @ rows.T
     got = prophet.draft_logits(h)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # its own layers' products run on Q8_0 blocks too (float32 activations), whatever draft dtype is asked
+    # its own layers' products run on Q8_0 blocks too (the kernel's activations), whatever draft dtype is asked
     for b in prophet.head.blocks:
         assert b.products is not None and all(isinstance(w, Int4Weight) and w.blocks is not None for w in b.products)
         x = torch.randn(2, b.up.weight.shape[1], generator=torch.Generator().manual_seed(1))
-        want = x @ qgemm.dequantize_q8_0(b.products[0].blocks.data).T
+        want = seen(x) @ qgemm.dequantize_q8_0(b.products[0].blocks.file_blocks().data).T
         assert torch.allclose(b.products[0].mm(x), want, atol=1e-4, rtol=1e-4)
         ref = x @ b.up.weight.detach().T  # Q8_0 of the trained weights: within 1% of their products
         assert float((want - ref).norm() / ref.norm()) < 0.01

@@ -74,8 +74,8 @@ def kernel_choice() -> str:
     """Which kernel 4-bit products run on: "torch" (PyTorch's int4 kernel: bfloat16 activations),
     "blocks" (`specdec.qgemm`'s float kernel: float32 activations, weights de-quantized exactly),
     "blocks16" (its bfloat16 kernel: activations rounded to bfloat16, the codes' dot products by
-    AVX-512 BF16 instructions, d and m per block after; Q4_1 weights in panels of 16 rows; Q8_0
-    weights, SmolLM2's head, stay on the float kernel, see `block_kernel`) or "blocks8" (its int8
+    AVX-512 BF16 instructions, d and m per block after; Q4_1 and Q8_0 weights in panels of 16 rows,
+    see `block_kernel`) or "blocks8" (its int8
     kernel: activations quantized to int8 blocks as llama.cpp does, integer dot products).
     SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "blocks16" where the extension builds
     with it (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
@@ -115,16 +115,16 @@ def kernel_choice() -> str:
 
 _BLOCK_PRODUCTS = {("blocks", "Q4_1"): "q4_1_mm", ("blocks", "Q8_0"): "q8_0_mm",
                    ("blocks8", "Q4_1"): "q4_1_mm8", ("blocks8", "Q8_0"): "q8_0_mm8",
-                   ("blocks16", "Q4_1x16"): "q4_1_mm16"}
+                   ("blocks16", "Q4_1x16"): "q4_1_mm16", ("blocks16", "Q8_0x16"): "q8_0_mm16"}
+_PANELS = {"Q4_1x16": "Q4_1", "Q8_0x16": "Q8_0"}  # the bfloat16 kernel's panels of each file kind
 
 
 def block_kernel(kernel: str, kind: str) -> str:
-    """The kernel a weight of block kind `kind` ("Q4_1", "Q8_0") runs on under `kernel`:
-    "blocks16" multiplies Q4_1 weights (in panels of 16 rows) in bfloat16 and leaves Q8_0 ones
-    (SmolLM2's head) on the float kernel, which reads them faster than turning 8-bit codes into
-    bfloat16 costs (1.4x its time for one row of the 49152 x 576 head, measured on a 2-core AMD
-    EPYC Zen 4)."""
-    return "blocks" if kernel == "blocks16" and kind == "Q8_0" else kernel
+    """The kernel a weight of block kind `kind` ("Q4_1", "Q8_0") runs on under `kernel`: each on
+    its own (blocks16 multiplies both in panels of 16 rows; SmolLM2's Q8_0 head there costs about
+    the float kernel's time for one row and 0.4-0.5x for 5-16 rows, where the float kernel is
+    compute-bound)."""
+    return kernel
 
 
 @dataclass
@@ -139,7 +139,11 @@ class Blocks:
 
     def file_blocks(self) -> Blocks:
         """These weights in the file's layout (kind "Q4_1" or "Q8_0"; panels' rows of zeros kept)."""
-        return Blocks("Q4_1", qgemm.unpanel_q4_1(self.data)) if self.kind == "Q4_1x16" else self
+        if self.kind == "Q4_1x16":
+            return Blocks("Q4_1", qgemm.unpanel_q4_1(self.data))
+        if self.kind == "Q8_0x16":
+            return Blocks("Q8_0", qgemm.unpanel_q8_0(self.data))
+        return self
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """Rows `index` in that order, in the file's layout."""
@@ -150,7 +154,9 @@ class Blocks:
         """These weights in the layout `kernel` reads (`block_kernel`): panels for "blocks16"."""
         if kernel == "blocks16" and self.kind == "Q4_1":
             return Blocks("Q4_1x16", qgemm.panel_q4_1(self.data))
-        if kernel != "blocks16" and self.kind == "Q4_1x16":
+        if kernel == "blocks16" and self.kind == "Q8_0":
+            return Blocks("Q8_0x16", qgemm.panel_q8_0(self.data))
+        if kernel != "blocks16" and self.kind in _PANELS:
             return self.file_blocks()
         return self
 
@@ -233,7 +239,7 @@ class Int4Weight:
     def _set_blocks(self, blocks: Blocks) -> None:
         """Multiply from `blocks`: the kernel for their kind, in the layout it reads, and its qgemm
         function (chosen once; looked up by name, as profilers wrap it)."""
-        self.kernel = block_kernel(self.family, "Q4_1" if blocks.kind == "Q4_1x16" else blocks.kind)
+        self.kernel = block_kernel(self.family, _PANELS.get(blocks.kind, blocks.kind))
         self.blocks = blocks.for_kernel(self.kernel)
         self.block_product = _BLOCK_PRODUCTS[(self.kernel, self.blocks.kind)]
 

@@ -29,7 +29,7 @@ from specdec.int4 import Int4Weight
 LOOPS = ("auto", "python")
 
 _KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3, "blocks16": 4}
-_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_1x16": 0}  # Q4_1x16: Q4_1 in panels (the bfloat16 kernel)
+_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_1x16": 0, "Q8_0x16": 1}  # ...x16: in panels (the bfloat16 kernel)
 
 
 def loop_choice() -> str:

@@ -240,6 +240,13 @@ def q4_1_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 0)
 
 
+def q8_0_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) float32 on the bfloat16 kernel, W given as Q8_0 panels
+    (N/16, K/32, 544) (`panel_q8_0`). As `q4_1_mm16`: x rounded to bfloat16, the weights exact
+    (w = d q, every int8 code exact in bfloat16), d applied per block; rows invariant by construction."""
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 1)
+
+
 PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel
 PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 8 groups of 4 positions x 16 rows of codes
 
@@ -277,6 +284,36 @@ def unpanel_q4_1(panels: torch.Tensor) -> torch.Tensor:
     q = q.reshape(p, kb, PANEL_ROWS, QK)
     b = torch.cat([d, m, q[..., :16] | (q[..., 16:] << 4)], dim=-1)  # (P, KB, 16 rows, 20)
     return b.transpose(1, 2).reshape(p * PANEL_ROWS, kb, Q4_1_BYTES).contiguous()
+
+
+PANEL_BLOCK8 = 544  # bytes of a Q8_0 panel's block: 16 d (fp16), then 16 pairs of positions x 16 rows of 2 codes
+
+
+def panel_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (N, K/32, 34) -> the bfloat16 kernel's panels (N/16, K/32, 544), the same bytes
+    regrouped by 16 weight rows: per block the 16 rows' d, then for each pair of positions
+    (2i, 2i+1) two bytes a row, q[2i] and q[2i+1] (see qgemm16.cpp). Rows of zeros (d = 0) make
+    N a multiple of 16: the product's columns past N are zeros."""
+    _check_blocks(blocks, Q8_0_BYTES)
+    if blocks.shape[0] % PANEL_ROWS:
+        pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
+        blocks = torch.cat([blocks, pad])
+    n, kb, _ = blocks.shape
+    b = blocks.reshape(n // PANEL_ROWS, PANEL_ROWS, kb, Q8_0_BYTES).transpose(1, 2)  # (P, KB, 16 rows, 34)
+    d = b[..., 0:2].reshape(*b.shape[:2], 32)
+    codes = b[..., 2:].reshape(*b.shape[:3], 16, 2).transpose(2, 3)  # (P, KB, 16 pairs, 16 rows, 2)
+    return torch.cat([d, codes.reshape(*b.shape[:2], 512)], dim=-1).contiguous()
+
+
+def unpanel_q8_0(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of `panel_q8_0`: panels (N/16, K/32, 544) -> Q8_0 blocks (N, K/32, 34)."""
+    if panels.dtype != torch.uint8 or panels.dim() != 3 or panels.shape[2] != PANEL_BLOCK8:
+        raise ValueError(f"panels must be uint8 (N/16, K/32, {PANEL_BLOCK8}), got {panels.dtype} {tuple(panels.shape)}")
+    p, kb, _ = panels.shape
+    d = panels[..., 0:32].reshape(p, kb, PANEL_ROWS, 2)
+    codes = panels[..., 32:].reshape(p, kb, 16, PANEL_ROWS, 2).transpose(2, 3).reshape(p, kb, PANEL_ROWS, QK)
+    b = torch.cat([d, codes], dim=-1)  # (P, KB, 16 rows, 34)
+    return b.transpose(1, 2).reshape(p * PANEL_ROWS, kb, Q8_0_BYTES).contiguous()
 
 
 def has_bf16_kernel() -> bool:

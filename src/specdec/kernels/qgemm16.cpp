@@ -255,16 +255,154 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
   at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels(a, M, g0, g1); });
 }
 
+// ------------------------------------------------------------------------------------------------ Q8_0 panels
+// Layout (`qgemm.panel_q8_0`): the file's (N, K/32, 34) blocks regrouped by 16 weight rows. Panel g, block b is 544
+// bytes: the 16 rows' scales d (fp16), then for each pair i = (2i, 2i+1) of the block's positions 32 bytes, two a
+// row: row r's bytes 2r and 2r + 1 are q[2i] and q[2i+1] (int8).
+// Arithmetic: w = d q, every int8 code exact in bfloat16; per output, for each block b in order, E = 0, then for the
+// even pairs i: E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i] (one lane of vdpbf16ps; each product exact), O likewise
+// over the odd pairs, and y = y + d_b (E + O) (from 0; a multiply, then an add). No minimums (Q8_0 has none).
+// A pair's codes for 16 rows become bfloat16 words by widening to int32, converting to float32 (exact) and packing
+// two vectors to bfloat16 (exact): five instructions for 32 codes, decoded once a tile of up to 8 activation rows
+// (more rows: once a panel, into a buffer for all of its tiles), as for Q4_1.
+constexpr int64_t PANEL_BLOCK8 = 544;
+constexpr int64_t CODES_AT8 = 32;
+
+inline void prefetch_block8(const uint8_t* q) {
+  for (int64_t l = 0; l < PANEL_BLOCK8; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
+}
+
+// 32 int8 codes (row r's pair at bytes 2r, 2r + 1) -> 32 bfloat16 words in the same order (16 lanes of a pair).
+inline __m512i codes8(const uint8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)(_mm512_cvtne2ps_pbh(hi, lo));  // words 0..15 from lo, 16..31 from hi
+}
+
+template <int MT, int NV, bool DECODED = false>
+void few8(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr) {
+  static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
+  const uint8_t* p[NV];
+  for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PANEL_BLOCK8;
+  const int64_t K2 = a.K / 2;
+  __m512 T[MT][NV];
+  for (int r = 0; r < MT; ++r)
+    for (int v = 0; v < NV; ++v) T[r][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.KB; ++b) {
+    if (!DECODED) {  // a hint: past the weights' end it reads nothing and never faults
+      const int64_t ahead = b + PREFETCH_BLOCKS;
+      for (int v = 0; v < NV; ++v)
+        prefetch_block8(ahead < a.KB ? p[v] + ahead * PANEL_BLOCK8
+                                     : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PANEL_BLOCK8);
+    }
+    __m512 E[MT][NV], O[MT][NV];
+    for (int r = 0; r < MT; ++r)
+      for (int v = 0; v < NV; ++v) E[r][v] = O[r][v] = _mm512_setzero_ps();
+    const uint32_t* xb = a.x + r0 * K2 + b * (QK / 2);
+    for (int i = 0; i < QK / 2; i += 2) {
+      __m512i qe[NV], qo[NV];
+      for (int v = 0; v < NV; ++v) {
+        if (DECODED) {
+          qe[v] = _mm512_loadu_si512(decoded + b * 16 + i);
+          qo[v] = _mm512_loadu_si512(decoded + b * 16 + i + 1);
+        } else {
+          const uint8_t* pc = p[v] + b * PANEL_BLOCK8 + CODES_AT8 + 32 * i;
+          qe[v] = codes8(pc);
+          qo[v] = codes8(pc + 32);
+        }
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i]));
+        for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, qe[v]);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i + 1]));
+        for (int v = 0; v < NV; ++v) O[r][v] = dot(O[r][v], xv, qo[v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512 d = scales(p[v] + b * PANEL_BLOCK8);
+      for (int r = 0; r < MT; ++r) T[r][v] = _mm512_add_ps(T[r][v], _mm512_mul_ps(d, _mm512_add_ps(E[r][v], O[r][v])));
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a.out + (r0 + r) * a.N + (g + v) * PANEL_ROWS, T[r][v]);
+}
+
+template <int MT, int NV>
+inline void few8_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + NV <= g1; g += NV) few8<MT, NV>(a, r0, g);
+  for (; g < g1; ++g) few8<MT, 1>(a, r0, g);
+}
+
+void tile8(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
+  switch (mt) {
+    case 1: return few8_panels<1, 4>(a, r0, g0, g1);
+    case 2: return few8_panels<2, 4>(a, r0, g0, g1);
+    case 3: return few8_panels<3, 2>(a, r0, g0, g1);
+    case 4: return few8_panels<4, 2>(a, r0, g0, g1);
+    case 5: return few8_panels<5, 1>(a, r0, g0, g1);
+    case 6: return few8_panels<6, 1>(a, r0, g0, g1);
+    case 7: return few8_panels<7, 1>(a, r0, g0, g1);
+    default: return few8_panels<8, 1>(a, r0, g0, g1);
+  }
+}
+
+void decoded_tile8(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
+  switch (mt) {
+    case 1: return few8<1, 1, true>(a, r0, g, decoded);
+    case 2: return few8<2, 1, true>(a, r0, g, decoded);
+    case 3: return few8<3, 1, true>(a, r0, g, decoded);
+    case 4: return few8<4, 1, true>(a, r0, g, decoded);
+    case 5: return few8<5, 1, true>(a, r0, g, decoded);
+    case 6: return few8<6, 1, true>(a, r0, g, decoded);
+    case 7: return few8<7, 1, true>(a, r0, g, decoded);
+    default: return few8<8, 1, true>(a, r0, g, decoded);
+  }
+}
+
+void panels8(const Args& a, int64_t M, int64_t g0, int64_t g1) {
+  const auto tiles = row_tiles(M, FEW, FEW);
+  if (tiles.size() == 1) return tile8(a, 0, tiles[0].second, g0, g1);
+  std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* p = a.w + g * a.KB * PANEL_BLOCK8;
+    for (int64_t b = 0; b < a.KB; ++b) {
+      prefetch_block8(p + (b + PREFETCH_BLOCKS) * PANEL_BLOCK8);  // past the panel's end: the next panel's blocks
+      for (int i = 0; i < QK / 2; ++i) decoded[b * 16 + i] = codes8(p + b * PANEL_BLOCK8 + CODES_AT8 + 32 * i);
+    }
+    for (const auto& t : tiles) decoded_tile8(a, t.first, t.second, g, decoded.data());
+  }
+}
+
+void run8(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N) {
+  const int64_t KB = K / QK;
+  std::vector<uint16_t> xb(static_cast<size_t>(M * K));
+  to_bf16(x, M * K, xb.data());
+  const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), nullptr, out, K, KB, N};
+  const int64_t count = N / PANEL_ROWS;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (PANEL_ROWS * K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels8(a, M, g0, g1); });
+}
+
 #endif  // QGEMM16
 
 }  // namespace mm16
 
 }  // namespace
 
-// x (M, K) float32 rows @ panels (N/16, K/32, 320) into out (M, N), no checks (qmm16; the layer loop's raw layers).
-void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out) {
+// x (M, K) float32 rows @ panels (N/16, K/32, 320 for Q4_1 (fmt 0), 544 for Q8_0 (fmt 1)) into out (M, N), no
+// checks (qmm16; the layer loop's raw layers).
+void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t fmt, int64_t K, int64_t N, float* out) {
 #ifdef QGEMM16
-  if (M > 0 && N > 0) mm16::run(x, M, panels, out, K, N);
+  if (M > 0 && N > 0) {
+    if (fmt == 1)
+      mm16::run8(x, M, panels, out, K, N);
+    else
+      mm16::run(x, M, panels, out, K, N);
+  }
 #endif
 }
 
@@ -279,16 +417,17 @@ bool compiled16() {
 }
 
 torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {
-  const char* name = "q4_1_mm16";
-  TORCH_CHECK(fmt == Q4_1, name, ": only Q4_1 weights (format 0) run on the bfloat16 kernel, got format ", fmt);
+  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qmm16: Q4_1 (format 0) or Q8_0 (format 1) weights, got format ", fmt);
+  const char* name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
+  const int64_t bytes = fmt == Q4_1 ? PANEL_BLOCK : 544;
   TORCH_CHECK(compiled16(), name, ": this build has no AVX-512 BF16 kernel (the CPU lacks avx512_bf16)");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), name, ": tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be 2-D (M, K) and contiguous");
-  TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && panels.dim() == 3 && panels.size(2) == PANEL_BLOCK &&
+  TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && panels.dim() == 3 && panels.size(2) == bytes &&
                   panels.is_contiguous(),
-              name, ": panels must be contiguous uint8 (N/16, K/32, 320) (qgemm.panel_q4_1), got ",
-              panels.scalar_type(), " ", panels.sizes());
+              name, ": panels must be contiguous uint8 (N/16, K/32, ", bytes, ") (qgemm.panel_",
+              fmt == Q4_1 ? "q4_1" : "q8_0", "), got ", panels.scalar_type(), " ", panels.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = panels.size(0) * PANEL_ROWS;
   TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
   TORCH_CHECK(panels.size(1) * QK == K, name, ": panels hold K = ", panels.size(1) * QK, " inputs a row, x has K = ",
@@ -296,11 +435,13 @@ torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  qgemm16_into(x.data_ptr<float>(), M, panels.data_ptr<uint8_t>(), K, N, out.data_ptr<float>());
+  qgemm16_into(x.data_ptr<float>(), M, panels.data_ptr<uint8_t>(), fmt, K, N, out.data_ptr<float>());
   return out;
 }
 
 torch::Tensor q4_1_mm16(const torch::Tensor& x, const torch::Tensor& panels) { return qmm16(x, panels, Q4_1); }
+
+torch::Tensor q8_0_mm16(const torch::Tensor& x, const torch::Tensor& panels) { return qmm16(x, panels, Q8_0); }
 
 // bfloat16 words of x as the kernel rounds its activations (tests).
 torch::Tensor round_bf16(const torch::Tensor& x) {
@@ -329,7 +470,8 @@ torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& pan
 // The bfloat16 kernel's entry points, added to the extension's module by qgemm.cpp.
 void register_mm16(pybind11::module& m) {
   m.def("q4_1_mm16", &q4_1_mm16, "bf16(x) (M, K) @ W.T -> (M, N) float32, W as Q4_1 panels (N/16, K/32, 320)");
-  m.def("qmm16", &qmm16, "qmm16(x, panels, fmt): fmt 0 (Q4_1)");
+  m.def("q8_0_mm16", &q8_0_mm16, "bf16(x) (M, K) @ W.T -> (M, N) float32, W as Q8_0 panels (N/16, K/32, 544)");
+  m.def("qmm16", &qmm16, "qmm16(x, panels, fmt): fmt 0 (Q4_1) or 1 (Q8_0)");
   m.def("round_bf16", &round_bf16, "x float32 -> bfloat16 as the kernel rounds its activations");
   m.def("impls16", &impls16, "['avx512bf16'] where this build has the kernel, else []");
 }

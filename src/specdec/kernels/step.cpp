@@ -32,7 +32,8 @@ torch::Tensor qgemm_blocks_mm8(const torch::Tensor& x, const torch::Tensor& bloc
 torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt);
 // The same products into a buffer (x (M, K) and out (M, N) dense float32 rows), for the layer loop's raw layers.
 void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N, float* out);
-void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t K, int64_t N, float* out);
+void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t fmt, int64_t K, int64_t N,
+                  float* out);
 
 namespace {
 
@@ -349,7 +350,7 @@ struct Product {
     RECORD_FUNCTION("specdec_qgemm", std::vector<c10::IValue>());  // named for scripts/step-profile
     const auto* w = weight.data_ptr<uint8_t>();
     if (kind == BLOCKS16)
-      qgemm16_into(x, M, w, in_features, out_rows, out);
+      qgemm16_into(x, M, w, fmt, in_features, out_rows, out);
     else
       qgemm_blocks_into(x, M, w, fmt, in_features, out_rows, out);
   }

@@ -25,7 +25,7 @@ from specdec.prophets.eagle3 import Eagle3Runtime
 from specdec.prophets.feature import FeatureProphet, full_vocab_logits
 from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
 from specdec.prophets.ngram import NgramIndex, NgramProphet
-from specdec.request import Request, _cached, _keep_drafting, _set_cached, _slot, keep_fused
+from specdec.request import Request, _batch_free, _cached, _keep_drafting, _set_cached, _slot, keep_fused
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
 from specdec.verify import DraftTree
@@ -258,9 +258,11 @@ class FeatureBatchProphet:
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.embed.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
+        # a seeded sampled row's draws must not depend on the rows beside it: where the products are not
+        # rows-invariant (torch's kernels change with the row count), such a row's guesses are computed alone
+        alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not _batch_free(reqs[b])]
         for j in range(1, max(k_rows) + 1):
-            h = p.guess(h, h0, last, j)
-            sub = p.draft_logits(h)  # (B', N) logits over the draft vocabulary (q is 0 elsewhere)
+            h, sub = _guess(p, h, h0, last, j, alone)  # sub (B', N): logits over the draft vocabulary (q 0 elsewhere)
             check_logits(sub, who)
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureProphet.propose picks greedily
             drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
@@ -284,6 +286,29 @@ class FeatureBatchProphet:
             last = torch.tensor(picked, device=h0.device)
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
+
+
+def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Tensor, j: int,
+           alone: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft step j's guessed features and draft-vocabulary logits for every row, the rows `alone`
+    each computed by itself (as it would be in a batch of one), the others together."""
+    if not alone:
+        g = p.guess(h, h0, last, j)
+        return g, p.draft_logits(g)
+    together = [i for i in range(h.shape[0]) if i not in set(alone)]
+    parts = ([together] if together else []) + [[i] for i in alone]
+    g_out: torch.Tensor | None = None
+    sub_out: torch.Tensor | None = None
+    for part in parts:
+        idx = torch.tensor(part, device=h.device)
+        g = p.guess(h[idx], h0[idx], last[idx], j)
+        sub = p.draft_logits(g)
+        if g_out is None or sub_out is None:
+            g_out = g.new_empty(h.shape[0], *g.shape[1:])
+            sub_out = sub.new_empty(h.shape[0], *sub.shape[1:])
+        g_out[idx], sub_out[idx] = g, sub
+    assert g_out is not None and sub_out is not None
+    return g_out, sub_out
 
 
 class Eagle3BatchProphet:

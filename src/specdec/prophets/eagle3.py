@@ -282,7 +282,12 @@ class Eagle3Runtime:
         cache (only the last slot's output is computed). Returns each row's last output (B, D)."""
         net, dev = self.net, self.embed.device
         if self.stack is not None:
-            return self._run_stack(slots, starts, feats, tokens, fused)
+            if self.int4 or len(slots) == 1:  # block products: rows invariant by construction
+                return self._run_stack(slots, starts, feats, tokens, fused)
+            # float products (torch's kernels change with the row count): each row alone, so that a row's
+            # drafts never depend on the rows beside it
+            return torch.cat([self._run_stack([s], [a], [f], [t], [u])
+                              for s, a, f, t, u in zip(slots, starts, feats, tokens, fused, strict=True)])
         outs = []
         rep = net.n_heads // net.n_kv
         for slot, start, f, toks, is_fused in zip(slots, starts, feats, tokens, fused, strict=True):
@@ -337,7 +342,10 @@ class Eagle3Runtime:
         return out[torch.arange(len(tokens), device=dev), torch.tensor(counts, device=dev) - 1]
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary (B, N) from the layer's outputs (B, D)."""
+        """Logits over the draft vocabulary (B, N) from the layer's outputs (B, D) (row by row on a
+        float head, whose kernel changes with the row count: a row's q never depends on the others)."""
+        if not self.int4 and g.shape[0] > 1:
+            return torch.cat([self.logits(g[i : i + 1]) for i in range(g.shape[0])])
         return self.mm(rms(g, self.net.norm_out, self.net.eps), "head").float()
 
 

@@ -165,7 +165,7 @@ class FeatureProphet:
         mlps = [b for b in head.blocks if isinstance(b, ResidualMLP)]
         if block_head is not None and embed.device.type == "cpu" and all(
                 b.up.weight.shape[1] % 32 == 0 and b.down.weight.shape[1] % 32 == 0 for b in mlps):
-            # its own products as Q8_0 blocks too, float32 activations: SmolLM2's eagle step (two residual
+            # its own products as Q8_0 blocks too (the block kernel's activations): SmolLM2's eagle step (two residual
             # MLPs, 0.92M weights) took 205 us in bfloat16 and 149 in float32 through torch, 72 on the blocks
             # (2-core AMD EPYC, avx512_bf16): its weights are read from memory after every target pass
             from specdec.int4 import Int4Weight, quantize_q8_0
@@ -187,6 +187,14 @@ class FeatureProphet:
         self.dtype = dtype
         self._feature: torch.Tensor | None = None
         self._position = -1
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's q never depends on the rows drafted beside it: every product on a block
+        kernel (rows invariant by construction). torch's float32 and bfloat16 products are not: their
+        kernels change with the row count, so a row's q differs in the last bits."""
+        return self.block_head is not None and all(getattr(b, "products", None) is not None
+                                                   for b in self.head.blocks)
 
     def fresh(self) -> FeatureProphet:
         """The same heads (shared, read-only) with state of its own, for another request."""

@@ -1,4 +1,4 @@
-// Matrix products of activations rounded to bfloat16 with Q4_1 weights regrouped in panels of 16 rows, on CPUs
+// Matrix products of activations rounded to bfloat16 with Q4_1 or Q8_0 weights regrouped in panels of 16 rows, on CPUs
 // with AVX-512 BF16 (vdpbf16ps: 32 multiply-adds an instruction, twice float32's 16).
 //
 // Layout (`qgemm.panel_q4_1`, made once when a model loads): the file's (N, K/32, 20) blocks regrouped by 16
@@ -65,8 +65,9 @@ constexpr int FEW = 8;
 // with it 8..48 blocks ahead gave the same 1.2-1.4x (two threads) and 1.6-1.8x (one) (scripts/qgemm-bench).
 constexpr int64_t PREFETCH_BLOCKS = 16;
 
+template <int64_t BYTES>
 inline void prefetch_block(const uint8_t* q) {
-  for (int64_t l = 0; l < PANEL_BLOCK; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
+  for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
 }
 
 // The codes of pairs i and i + 1 (i even) for 16 weight rows (32 bytes: row r's bytes 2r and 2r + 1 hold q[2i] and
@@ -86,6 +87,44 @@ inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
 inline __m512 scales(const uint8_t* p) {  // 16 fp16 -> float32 (exact)
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+// ------------------------------------------------------------------------------------------------ Q8_0 panels
+// Layout (`qgemm.panel_q8_0`): the file's (N, K/32, 34) blocks regrouped by 16 weight rows. Panel g, block b is 544
+// bytes: the 16 rows' scales d (fp16), then for each pair i = (2i, 2i+1) of the block's positions 32 bytes, two a
+// row: row r's bytes 2r and 2r + 1 are q[2i] and q[2i+1] (int8).
+// Arithmetic: w = d q, every int8 code exact in bfloat16; per output, for each block b in order, E = 0, then for the
+// even pairs i: E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i] (one lane of vdpbf16ps; each product exact), O likewise
+// over the odd pairs, and y = y + d_b (E + O) (from 0; a multiply, then an add). No minimums (Q8_0 has none).
+// A pair's codes for 16 rows become bfloat16 words by widening to int32, converting to float32 (exact) and packing
+// two vectors to bfloat16 (exact): five instructions for 32 codes, decoded once a tile of up to 8 activation rows
+// (more rows: once a panel, into a buffer for all of its tiles), as for Q4_1.
+
+// 32 int8 codes (row r's pair at bytes 2r, 2r + 1) -> 32 bfloat16 words in the same order (16 lanes of a pair).
+inline __m512i codes8(const uint8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)(_mm512_cvtne2ps_pbh(hi, lo));  // words 0..15 from lo, 16..31 from hi
+}
+
+// What the kernel needs of a weight format: its panel's block bytes, whether it has minimums (y = T + M), and the
+// decoding of pairs i and i + 1 (i even) of one panel's block into bfloat16 words.
+struct PanelsQ4_1 {
+  static constexpr int64_t BLOCK = PANEL_BLOCK;
+  static constexpr bool MINS = true;
+  static void pairs(const uint8_t* block, int i, __m512i& even, __m512i& odd) {
+    codes_pairs(block + CODES_AT + PANEL_ROWS * i, even, odd);
+  }
+};
+
+struct PanelsQ8_0 {
+  static constexpr int64_t BLOCK = 544;
+  static constexpr bool MINS = false;
+  static void pairs(const uint8_t* block, int i, __m512i& even, __m512i& odd) {
+    even = codes8(block + 32 + 32 * i);
+    odd = codes8(block + 64 + 32 * i);
+  }
+};
 
 // x (M, K) float32 -> bfloat16 words (M, K), rounded to nearest even.
 void to_bf16(const float* x, int64_t n, uint16_t* out) {
@@ -109,7 +148,7 @@ inline float bf16_value(uint16_t w) {
 
 // One product: the panels, the activations as bfloat16 pairs (M, K/2) and their block sums (M, K/32), the output.
 struct Args {
-  const uint8_t* w;   // (N/16, K/32, 320)
+  const uint8_t* w;   // (N/16, K/32, F::BLOCK) panels
   const uint32_t* x;  // (M, K/2): pair i of block b of row r at r * K/2 + 16 b + i
   const float* sums;  // (M, K/32)
   float* out;         // (M, N)
@@ -137,11 +176,12 @@ inline void finish(const Args& a, const uint8_t* const* p, int64_t r0, int64_t n
 // MT (<= FEW) activation rows from r0 against NV panels from panel g: each two pairs' codes decoded once, in
 // registers (DECODED: read from `decoded`, panel g's codes already decoded, pair i of block b at b * 16 + i), with
 // the tile's partial sums E, O and running sums T.
-template <int MT, int NV, bool DECODED = false>
+template <class F, int MT, int NV, bool DECODED = false>
 void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr) {
   static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
+  constexpr int64_t PB = F::BLOCK;
   const uint8_t* p[NV];
-  for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PANEL_BLOCK;
+  for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PB;
   const int64_t K2 = a.K / 2;
   __m512 T[MT][NV];
   for (int r = 0; r < MT; ++r)
@@ -150,7 +190,7 @@ void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr)
     if (!DECODED) {  // a hint: past the weights' end it reads nothing and never faults
       const int64_t ahead = b + PREFETCH_BLOCKS;
       for (int v = 0; v < NV; ++v)
-        prefetch_block(ahead < a.KB ? p[v] + ahead * PANEL_BLOCK : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PANEL_BLOCK);
+        prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
     }
     __m512 E[MT][NV], O[MT][NV];
     for (int r = 0; r < MT; ++r)
@@ -163,7 +203,7 @@ void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr)
           qe[v] = _mm512_loadu_si512(decoded + b * 16 + i);
           qo[v] = _mm512_loadu_si512(decoded + b * 16 + i + 1);
         } else {
-          codes_pairs(p[v] + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, qe[v], qo[v]);
+          F::pairs(p[v] + b * PB, i, qe[v], qo[v]);
         }
       }
       for (int r = 0; r < MT; ++r) {
@@ -176,74 +216,82 @@ void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr)
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const __m512 d = scales(p[v] + b * PANEL_BLOCK);
+      const __m512 d = scales(p[v] + b * PB);
       for (int r = 0; r < MT; ++r) T[r][v] = _mm512_add_ps(T[r][v], _mm512_mul_ps(d, _mm512_add_ps(E[r][v], O[r][v])));
     }
   }
-  finish<MT, NV>(a, p, r0, g * PANEL_ROWS, T);
+  if constexpr (F::MINS) {
+    finish<MT, NV>(a, p, r0, g * PANEL_ROWS, T);
+  } else {
+    for (int r = 0; r < MT; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a.out + (r0 + r) * a.N + (g + v) * PANEL_ROWS, T[r][v]);
+  }
 }
 
 // Panels [g0, g1) against MT rows from r0, NV panels at a time (then one at a time).
-template <int MT, int NV>
+template <class F, int MT, int NV>
 inline void few_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
   int64_t g = g0;
-  for (; g + NV <= g1; g += NV) few<MT, NV>(a, r0, g);
-  for (; g < g1; ++g) few<MT, 1>(a, r0, g);
+  for (; g + NV <= g1; g += NV) few<F, MT, NV>(a, r0, g);
+  for (; g < g1; ++g) few<F, MT, 1>(a, r0, g);
 }
 
 // Panels [g0, g1) for MT (1..FEW) rows from r0. NV: as many panels at a time as keep the tile's 3 MT NV sums and
 // NV codes in 32 registers.
+template <class F>
 void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
   static_assert(FEW == 8, "the cases below: 1..FEW rows");
   switch (mt) {
-    case 1: return few_panels<1, 4>(a, r0, g0, g1);
-    case 2: return few_panels<2, 4>(a, r0, g0, g1);
-    case 3: return few_panels<3, 2>(a, r0, g0, g1);
-    case 4: return few_panels<4, 2>(a, r0, g0, g1);
-    case 5: return few_panels<5, 1>(a, r0, g0, g1);
-    case 6: return few_panels<6, 1>(a, r0, g0, g1);
-    case 7: return few_panels<7, 1>(a, r0, g0, g1);
-    default: return few_panels<8, 1>(a, r0, g0, g1);
+    case 1: return few_panels<F, 1, 4>(a, r0, g0, g1);
+    case 2: return few_panels<F, 2, 4>(a, r0, g0, g1);
+    case 3: return few_panels<F, 3, 2>(a, r0, g0, g1);
+    case 4: return few_panels<F, 4, 2>(a, r0, g0, g1);
+    case 5: return few_panels<F, 5, 1>(a, r0, g0, g1);
+    case 6: return few_panels<F, 6, 1>(a, r0, g0, g1);
+    case 7: return few_panels<F, 7, 1>(a, r0, g0, g1);
+    default: return few_panels<F, 8, 1>(a, r0, g0, g1);
   }
 }
 
 // MT (1..FEW) rows from r0 against panel g, its codes decoded in `decoded`.
+template <class F>
 void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
   switch (mt) {
-    case 1: return few<1, 1, true>(a, r0, g, decoded);
-    case 2: return few<2, 1, true>(a, r0, g, decoded);
-    case 3: return few<3, 1, true>(a, r0, g, decoded);
-    case 4: return few<4, 1, true>(a, r0, g, decoded);
-    case 5: return few<5, 1, true>(a, r0, g, decoded);
-    case 6: return few<6, 1, true>(a, r0, g, decoded);
-    case 7: return few<7, 1, true>(a, r0, g, decoded);
-    default: return few<8, 1, true>(a, r0, g, decoded);
+    case 1: return few<F, 1, 1, true>(a, r0, g, decoded);
+    case 2: return few<F, 2, 1, true>(a, r0, g, decoded);
+    case 3: return few<F, 3, 1, true>(a, r0, g, decoded);
+    case 4: return few<F, 4, 1, true>(a, r0, g, decoded);
+    case 5: return few<F, 5, 1, true>(a, r0, g, decoded);
+    case 6: return few<F, 6, 1, true>(a, r0, g, decoded);
+    case 7: return few<F, 7, 1, true>(a, r0, g, decoded);
+    default: return few<F, 8, 1, true>(a, r0, g, decoded);
   }
 }
 
 // Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each panel's codes
 // decoded once (K/32 x 16 vectors, in L1/L2) for all of its tiles.
+template <class F>
 void panels(const Args& a, int64_t M, int64_t g0, int64_t g1) {
   const auto tiles = row_tiles(M, FEW, FEW);
-  if (tiles.size() == 1) return tile(a, 0, tiles[0].second, g0, g1);
+  if (tiles.size() == 1) return tile<F>(a, 0, tiles[0].second, g0, g1);
   std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* p = a.w + g * a.KB * PANEL_BLOCK;
+    const uint8_t* p = a.w + g * a.KB * F::BLOCK;
     for (int64_t b = 0; b < a.KB; ++b) {
-      prefetch_block(p + (b + PREFETCH_BLOCKS) * PANEL_BLOCK);  // past the panel's end: the next panel's blocks
-      for (int i = 0; i < QK / 2; i += 2)
-        codes_pairs(p + b * PANEL_BLOCK + CODES_AT + PANEL_ROWS * i, decoded[b * 16 + i], decoded[b * 16 + i + 1]);
+      prefetch_block<F::BLOCK>(p + (b + PREFETCH_BLOCKS) * F::BLOCK);  // past the panel's end: the next panel's
+      for (int i = 0; i < QK / 2; i += 2) F::pairs(p + b * F::BLOCK, i, decoded[b * 16 + i], decoded[b * 16 + i + 1]);
     }
-    for (const auto& t : tiles) decoded_tile(a, t.first, t.second, g, decoded.data());
+    for (const auto& t : tiles) decoded_tile<F>(a, t.first, t.second, g, decoded.data());
   }
 }
 
+template <class F>
 void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N) {
   const int64_t KB = K / QK;
   std::vector<uint16_t> xb(static_cast<size_t>(M * K));
   to_bf16(x, M * K, xb.data());
-  std::vector<float> sums(static_cast<size_t>(M * KB));
-  for (int64_t r = 0; r < M; ++r)
+  std::vector<float> sums(static_cast<size_t>(F::MINS ? M * KB : 0));  // the blocks' activation sums (minimums)
+  for (int64_t r = 0; r < (F::MINS ? M : 0); ++r)
     for (int64_t b = 0; b < KB; ++b) {
       float s = 0.0f;
       for (int64_t l = 0; l < QK; ++l) s += bf16_value(xb[r * K + b * QK + l]);
@@ -252,139 +300,7 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
   const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), sums.data(), out, K, KB, N};
   const int64_t count = N / PANEL_ROWS;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (PANEL_ROWS * K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels(a, M, g0, g1); });
-}
-
-// ------------------------------------------------------------------------------------------------ Q8_0 panels
-// Layout (`qgemm.panel_q8_0`): the file's (N, K/32, 34) blocks regrouped by 16 weight rows. Panel g, block b is 544
-// bytes: the 16 rows' scales d (fp16), then for each pair i = (2i, 2i+1) of the block's positions 32 bytes, two a
-// row: row r's bytes 2r and 2r + 1 are q[2i] and q[2i+1] (int8).
-// Arithmetic: w = d q, every int8 code exact in bfloat16; per output, for each block b in order, E = 0, then for the
-// even pairs i: E = (E + x[2i+1] q[2i+1]) + x[2i] q[2i] (one lane of vdpbf16ps; each product exact), O likewise
-// over the odd pairs, and y = y + d_b (E + O) (from 0; a multiply, then an add). No minimums (Q8_0 has none).
-// A pair's codes for 16 rows become bfloat16 words by widening to int32, converting to float32 (exact) and packing
-// two vectors to bfloat16 (exact): five instructions for 32 codes, decoded once a tile of up to 8 activation rows
-// (more rows: once a panel, into a buffer for all of its tiles), as for Q4_1.
-constexpr int64_t PANEL_BLOCK8 = 544;
-constexpr int64_t CODES_AT8 = 32;
-
-inline void prefetch_block8(const uint8_t* q) {
-  for (int64_t l = 0; l < PANEL_BLOCK8; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
-}
-
-// 32 int8 codes (row r's pair at bytes 2r, 2r + 1) -> 32 bfloat16 words in the same order (16 lanes of a pair).
-inline __m512i codes8(const uint8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return (__m512i)(_mm512_cvtne2ps_pbh(hi, lo));  // words 0..15 from lo, 16..31 from hi
-}
-
-template <int MT, int NV, bool DECODED = false>
-void few8(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr) {
-  static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
-  const uint8_t* p[NV];
-  for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PANEL_BLOCK8;
-  const int64_t K2 = a.K / 2;
-  __m512 T[MT][NV];
-  for (int r = 0; r < MT; ++r)
-    for (int v = 0; v < NV; ++v) T[r][v] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < a.KB; ++b) {
-    if (!DECODED) {  // a hint: past the weights' end it reads nothing and never faults
-      const int64_t ahead = b + PREFETCH_BLOCKS;
-      for (int v = 0; v < NV; ++v)
-        prefetch_block8(ahead < a.KB ? p[v] + ahead * PANEL_BLOCK8
-                                     : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PANEL_BLOCK8);
-    }
-    __m512 E[MT][NV], O[MT][NV];
-    for (int r = 0; r < MT; ++r)
-      for (int v = 0; v < NV; ++v) E[r][v] = O[r][v] = _mm512_setzero_ps();
-    const uint32_t* xb = a.x + r0 * K2 + b * (QK / 2);
-    for (int i = 0; i < QK / 2; i += 2) {
-      __m512i qe[NV], qo[NV];
-      for (int v = 0; v < NV; ++v) {
-        if (DECODED) {
-          qe[v] = _mm512_loadu_si512(decoded + b * 16 + i);
-          qo[v] = _mm512_loadu_si512(decoded + b * 16 + i + 1);
-        } else {
-          const uint8_t* pc = p[v] + b * PANEL_BLOCK8 + CODES_AT8 + 32 * i;
-          qe[v] = codes8(pc);
-          qo[v] = codes8(pc + 32);
-        }
-      }
-      for (int r = 0; r < MT; ++r) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i]));
-        for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, qe[v]);
-      }
-      for (int r = 0; r < MT; ++r) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i + 1]));
-        for (int v = 0; v < NV; ++v) O[r][v] = dot(O[r][v], xv, qo[v]);
-      }
-    }
-    for (int v = 0; v < NV; ++v) {
-      const __m512 d = scales(p[v] + b * PANEL_BLOCK8);
-      for (int r = 0; r < MT; ++r) T[r][v] = _mm512_add_ps(T[r][v], _mm512_mul_ps(d, _mm512_add_ps(E[r][v], O[r][v])));
-    }
-  }
-  for (int r = 0; r < MT; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a.out + (r0 + r) * a.N + (g + v) * PANEL_ROWS, T[r][v]);
-}
-
-template <int MT, int NV>
-inline void few8_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
-  int64_t g = g0;
-  for (; g + NV <= g1; g += NV) few8<MT, NV>(a, r0, g);
-  for (; g < g1; ++g) few8<MT, 1>(a, r0, g);
-}
-
-void tile8(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
-  switch (mt) {
-    case 1: return few8_panels<1, 4>(a, r0, g0, g1);
-    case 2: return few8_panels<2, 4>(a, r0, g0, g1);
-    case 3: return few8_panels<3, 2>(a, r0, g0, g1);
-    case 4: return few8_panels<4, 2>(a, r0, g0, g1);
-    case 5: return few8_panels<5, 1>(a, r0, g0, g1);
-    case 6: return few8_panels<6, 1>(a, r0, g0, g1);
-    case 7: return few8_panels<7, 1>(a, r0, g0, g1);
-    default: return few8_panels<8, 1>(a, r0, g0, g1);
-  }
-}
-
-void decoded_tile8(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
-  switch (mt) {
-    case 1: return few8<1, 1, true>(a, r0, g, decoded);
-    case 2: return few8<2, 1, true>(a, r0, g, decoded);
-    case 3: return few8<3, 1, true>(a, r0, g, decoded);
-    case 4: return few8<4, 1, true>(a, r0, g, decoded);
-    case 5: return few8<5, 1, true>(a, r0, g, decoded);
-    case 6: return few8<6, 1, true>(a, r0, g, decoded);
-    case 7: return few8<7, 1, true>(a, r0, g, decoded);
-    default: return few8<8, 1, true>(a, r0, g, decoded);
-  }
-}
-
-void panels8(const Args& a, int64_t M, int64_t g0, int64_t g1) {
-  const auto tiles = row_tiles(M, FEW, FEW);
-  if (tiles.size() == 1) return tile8(a, 0, tiles[0].second, g0, g1);
-  std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* p = a.w + g * a.KB * PANEL_BLOCK8;
-    for (int64_t b = 0; b < a.KB; ++b) {
-      prefetch_block8(p + (b + PREFETCH_BLOCKS) * PANEL_BLOCK8);  // past the panel's end: the next panel's blocks
-      for (int i = 0; i < QK / 2; ++i) decoded[b * 16 + i] = codes8(p + b * PANEL_BLOCK8 + CODES_AT8 + 32 * i);
-    }
-    for (const auto& t : tiles) decoded_tile8(a, t.first, t.second, g, decoded.data());
-  }
-}
-
-void run8(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N) {
-  const int64_t KB = K / QK;
-  std::vector<uint16_t> xb(static_cast<size_t>(M * K));
-  to_bf16(x, M * K, xb.data());
-  const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), nullptr, out, K, KB, N};
-  const int64_t count = N / PANEL_ROWS;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (PANEL_ROWS * K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels8(a, M, g0, g1); });
+  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels<F>(a, M, g0, g1); });
 }
 
 #endif  // QGEMM16
@@ -399,9 +315,9 @@ void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t fmt,
 #ifdef QGEMM16
   if (M > 0 && N > 0) {
     if (fmt == 1)
-      mm16::run8(x, M, panels, out, K, N);
+      mm16::run<mm16::PanelsQ8_0>(x, M, panels, out, K, N);
     else
-      mm16::run(x, M, panels, out, K, N);
+      mm16::run<mm16::PanelsQ4_1>(x, M, panels, out, K, N);
   }
 #endif
 }

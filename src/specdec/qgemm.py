@@ -251,18 +251,24 @@ PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel
 PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 8 groups of 4 positions x 16 rows of codes
 
 
+def _by_panel(blocks: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Blocks (N, K/32, nbytes) checked and grouped by panel: (N/16, K/32, 16 rows, nbytes), rows of
+    zeros added to make N a multiple of 16."""
+    _check_blocks(blocks, nbytes)
+    if blocks.shape[0] % PANEL_ROWS:
+        pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
+        blocks = torch.cat([blocks, pad])
+    n, kb, _ = blocks.shape
+    return blocks.reshape(n // PANEL_ROWS, PANEL_ROWS, kb, nbytes).transpose(1, 2)
+
+
 def panel_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1 blocks (N, K/32, 20) -> the bfloat16 kernel's panels (N/16, K/32, 320), the same bytes
     regrouped by 16 weight rows: per block the 16 rows' d, their m, then for each group of four
     positions 4k..4k+3 two bytes a row, q[4k] | q[4k+2] << 4 and q[4k+1] | q[4k+3] << 4 (one
     load widening them to words holds two pairs of positions, see qgemm16.cpp). Rows of zeros
     (d = m = 0) make N a multiple of 16: the product's columns past N are zeros."""
-    _check_blocks(blocks, Q4_1_BYTES)
-    if blocks.shape[0] % PANEL_ROWS:
-        pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
-        blocks = torch.cat([blocks, pad])
-    n, kb, _ = blocks.shape
-    b = blocks.reshape(n // PANEL_ROWS, PANEL_ROWS, kb, Q4_1_BYTES).transpose(1, 2)  # (P, KB, 16 rows, 20)
+    b = _by_panel(blocks, Q4_1_BYTES)  # (P, KB, 16 rows, 20)
     d = b[..., 0:2].reshape(*b.shape[:2], 32)
     m = b[..., 2:4].reshape(*b.shape[:2], 32)
     q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1)  # (P, KB, 16 rows, 32 positions)
@@ -294,12 +300,7 @@ def panel_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     regrouped by 16 weight rows: per block the 16 rows' d, then for each pair of positions
     (2i, 2i+1) two bytes a row, q[2i] and q[2i+1] (see qgemm16.cpp). Rows of zeros (d = 0) make
     N a multiple of 16: the product's columns past N are zeros."""
-    _check_blocks(blocks, Q8_0_BYTES)
-    if blocks.shape[0] % PANEL_ROWS:
-        pad = blocks.new_zeros(PANEL_ROWS - blocks.shape[0] % PANEL_ROWS, *blocks.shape[1:])
-        blocks = torch.cat([blocks, pad])
-    n, kb, _ = blocks.shape
-    b = blocks.reshape(n // PANEL_ROWS, PANEL_ROWS, kb, Q8_0_BYTES).transpose(1, 2)  # (P, KB, 16 rows, 34)
+    b = _by_panel(blocks, Q8_0_BYTES)  # (P, KB, 16 rows, 34)
     d = b[..., 0:2].reshape(*b.shape[:2], 32)
     codes = b[..., 2:].reshape(*b.shape[:3], 16, 2).transpose(2, 3)  # (P, KB, 16 pairs, 16 rows, 2)
     return torch.cat([d, codes.reshape(*b.shape[:2], 512)], dim=-1).contiguous()

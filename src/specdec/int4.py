@@ -74,8 +74,9 @@ def kernel_choice() -> str:
     """Which kernel 4-bit products run on: "torch" (PyTorch's int4 kernel: bfloat16 activations),
     "blocks" (`specdec.qgemm`'s float kernel: float32 activations, weights de-quantized exactly),
     "blocks16" (its bfloat16 kernel: activations rounded to bfloat16, the codes' dot products by
-    AVX-512 BF16 instructions, d and m per block after; Q4_1 and Q8_0 weights in panels of 16 rows,
-    see `block_kernel`) or "blocks8" (its int8
+    AVX-512 BF16 instructions, d and m per block after; Q4_1 and Q8_0 weights in panels of 16 rows:
+    SmolLM2's Q8_0 head there costs about the float kernel's time for one row and 0.4-0.5x for 5-16
+    rows, where the float kernel is compute-bound) or "blocks8" (its int8
     kernel: activations quantized to int8 blocks as llama.cpp does, integer dot products).
     SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "blocks16" where the extension builds
     with it (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
@@ -116,15 +117,10 @@ def kernel_choice() -> str:
 _BLOCK_PRODUCTS = {("blocks", "Q4_1"): "q4_1_mm", ("blocks", "Q8_0"): "q8_0_mm",
                    ("blocks8", "Q4_1"): "q4_1_mm8", ("blocks8", "Q8_0"): "q8_0_mm8",
                    ("blocks16", "Q4_1x16"): "q4_1_mm16", ("blocks16", "Q8_0x16"): "q8_0_mm16"}
-_PANELS = {"Q4_1x16": "Q4_1", "Q8_0x16": "Q8_0"}  # the bfloat16 kernel's panels of each file kind
-
-
-def block_kernel(kernel: str, kind: str) -> str:
-    """The kernel a weight of block kind `kind` ("Q4_1", "Q8_0") runs on under `kernel`: each on
-    its own (blocks16 multiplies both in panels of 16 rows; SmolLM2's Q8_0 head there costs about
-    the float kernel's time for one row and 0.4-0.5x for 5-16 rows, where the float kernel is
-    compute-bound)."""
-    return kernel
+# the bfloat16 kernel's panels of each file kind: kind in panels, regrouping, its inverse
+_PANELS = {"Q4_1": ("Q4_1x16", qgemm.panel_q4_1, qgemm.unpanel_q4_1),
+           "Q8_0": ("Q8_0x16", qgemm.panel_q8_0, qgemm.unpanel_q8_0)}
+_FILE_KIND = {panels: kind for kind, (panels, _, _) in _PANELS.items()}
 
 
 @dataclass
@@ -139,11 +135,8 @@ class Blocks:
 
     def file_blocks(self) -> Blocks:
         """These weights in the file's layout (kind "Q4_1" or "Q8_0"; panels' rows of zeros kept)."""
-        if self.kind == "Q4_1x16":
-            return Blocks("Q4_1", qgemm.unpanel_q4_1(self.data))
-        if self.kind == "Q8_0x16":
-            return Blocks("Q8_0", qgemm.unpanel_q8_0(self.data))
-        return self
+        kind = _FILE_KIND.get(self.kind)
+        return self if kind is None else Blocks(kind, _PANELS[kind][2](self.data))
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """Rows `index` in that order, in the file's layout."""
@@ -151,12 +144,11 @@ class Blocks:
         return Blocks(blocks.kind, blocks.data[index])
 
     def for_kernel(self, kernel: str) -> Blocks:
-        """These weights in the layout `kernel` reads (`block_kernel`): panels for "blocks16"."""
-        if kernel == "blocks16" and self.kind == "Q4_1":
-            return Blocks("Q4_1x16", qgemm.panel_q4_1(self.data))
-        if kernel == "blocks16" and self.kind == "Q8_0":
-            return Blocks("Q8_0x16", qgemm.panel_q8_0(self.data))
-        if kernel != "blocks16" and self.kind in _PANELS:
+        """These weights in the layout `kernel` reads panels for "blocks16"."""
+        if kernel == "blocks16" and self.kind in _PANELS:
+            panels, regroup, _ = _PANELS[self.kind]
+            return Blocks(panels, regroup(self.data))
+        if kernel != "blocks16" and self.kind in _FILE_KIND:
             return self.file_blocks()
         return self
 
@@ -211,7 +203,7 @@ class Int4Weight:
         self.shape = torch.Size((n, k))
         self.out_rows = n  # rows returned: the first `out_rows` (see first_rows)
         self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.family = kernel_choice()  # the kernel asked for (block_kernel: the one each weight runs on)
+        self.family = kernel_choice()  # the kernel asked for (every block kind runs on it)
         self.blocks: Blocks | None = None
         self.kernel, self.block_product = "torch", ""
         if self.family != "torch" and planes[0].blocks is not None:
@@ -239,7 +231,7 @@ class Int4Weight:
     def _set_blocks(self, blocks: Blocks) -> None:
         """Multiply from `blocks`: the kernel for their kind, in the layout it reads, and its qgemm
         function (chosen once; looked up by name, as profilers wrap it)."""
-        self.kernel = block_kernel(self.family, _PANELS.get(blocks.kind, blocks.kind))
+        self.kernel = self.family  # every block kind runs on the kernel asked for
         self.blocks = blocks.for_kernel(self.kernel)
         self.block_product = _BLOCK_PRODUCTS[(self.kernel, self.blocks.kind)]
 

@@ -295,20 +295,13 @@ def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Ten
     if not alone:
         g = p.guess(h, h0, last, j)
         return g, p.draft_logits(g)
-    together = [i for i in range(h.shape[0]) if i not in set(alone)]
+    single = set(alone)
+    together = [i for i in range(h.shape[0]) if i not in single]
     parts = ([together] if together else []) + [[i] for i in alone]
-    g_out: torch.Tensor | None = None
-    sub_out: torch.Tensor | None = None
-    for part in parts:
-        idx = torch.tensor(part, device=h.device)
-        g = p.guess(h[idx], h0[idx], last[idx], j)
-        sub = p.draft_logits(g)
-        if g_out is None or sub_out is None:
-            g_out = g.new_empty(h.shape[0], *g.shape[1:])
-            sub_out = sub.new_empty(h.shape[0], *sub.shape[1:])
-        g_out[idx], sub_out[idx] = g, sub
-    assert g_out is not None and sub_out is not None
-    return g_out, sub_out
+    gs = [p.guess(h[part], h0[part], last[part], j) for part in parts]
+    back = torch.argsort(torch.tensor([i for part in parts for i in part], device=h.device))  # rows in order
+    g = torch.cat(gs)[back]
+    return g, torch.cat([p.draft_logits(x) for x in gs])[back]
 
 
 class Eagle3BatchProphet:

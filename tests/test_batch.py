@@ -16,7 +16,7 @@ from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
 from specdec.fastllama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
-from specdec.ragged import RaggedVerdict, verify_rows, verify_rows_reference
+from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verify_rows_reference
 from specdec.request import Request
 from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, ModelBatchProphet, NgramBatchProphet
 from specdec.sampling import SamplingParams
@@ -73,6 +73,46 @@ def test_ragged_verifier_forced_paths():
     out = verify_rows(tokens, [3, 2, 0], None, None, p, gens).rows()
     assert [(r.n_accepted, r.next_token, r.next_kind) for r in out] == [
         (3, 2, "bonus"), (1, 3, "recovered"), (0, 0, "bonus")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_batches(), st.booleans())
+def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties):
+    """A greedy target's p is one-hot on its argmax: verify_greedy_rows, from the choices alone,
+    gives the specification's verdict whatever q is (one-hot or not); drafts made to agree often."""
+    tokens, lens, draft_probs, one_hot, target_probs, seed = batch
+    n_rows, k_plus = target_probs.shape[:2]
+    choices = target_probs.argmax(-1)  # (B, K+1)
+    if ties:  # drafts that follow the target's choices up to a random point
+        g = torch.Generator().manual_seed(seed)
+        for b, k in enumerate(lens):
+            cut = int(torch.randint(0, k + 1, (1,), generator=g))
+            tokens[b, :cut] = choices[b, :cut]
+    p = torch.nn.functional.one_hot(choices, target_probs.shape[-1]).float()
+    gens = [torch.Generator().manual_seed(seed + b) for b in range(n_rows)]
+    expected = verify_rows_reference(tokens, lens, draft_probs, one_hot, p, gens)
+    assert verify_greedy_rows(tokens, lens, choices).rows() == expected
+
+
+def test_a_step_verifies_greedy_and_sampled_rows_together_as_each_alone():
+    """`_verdict` splits a batch into greedy rows (by choices) and sampled rows (by p and q)
+    and puts the verdicts back in row order: the same as verifying each kind on its own."""
+    from specdec.batch import _verdict
+
+    g = torch.Generator().manual_seed(3)
+    n_rows, k, vocab = 6, 3, 11
+    logits = torch.randn(n_rows, k + 1, vocab, generator=g) * 3
+    temps = [0.0, 1.0, 0.0, 0.7, 1.0, 0.0]
+    rows = [Request([1, 2], 8, SamplingParams(t), k, seed=b) for b, t in enumerate(temps)]
+    tokens = torch.randint(0, vocab, (n_rows, k), generator=g)
+    tokens[0] = logits[0, :k].argmax(-1)  # a greedy row that accepts everything
+    lens = [3, 2, 1, 3, 0, 2]
+    got = _verdict(logits, rows, tokens, lens, None, None, "t").rows()
+    for b, r in enumerate(rows):
+        alone = Request([1, 2], 8, r.params, k, seed=b)
+        want = _verdict(logits[b:b + 1], [alone], tokens[b:b + 1], lens[b:b + 1], None, None, "t").rows()[0]
+        assert got[b] == want
+    assert got[0].n_accepted == 3 and got[0].next_kind == "bonus"
 
 
 # ----------------------------------------------------------------- the batched Llama path

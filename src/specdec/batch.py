@@ -46,7 +46,7 @@ from specdec.finish import Finish
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
-from specdec.ragged import verify_rows
+from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
 from specdec.rowprophets import (
     TREE,
@@ -62,11 +62,41 @@ from specdec.rowprophets import (
     _probs_by_params,
 )
 from specdec.rows import BatchLM
-from specdec.sampling import SamplingParams, couple, logits_to_probs
+from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
 from specdec.verify import verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
+
+
+def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.Tensor, lens: Sequence[int],
+             probs: torch.Tensor | None, one_hot: Sequence[bool] | None, who: str) -> RaggedVerdict:
+    """Verify a scored pass: logits (B, K+1, V), each row's draft (B, K) of lens[b] tokens, q
+    (B, K, V) or None, `one_hot` the rows whose q is one-hot. Greedy rows (not coupled) by the
+    target's choices alone (`verify_greedy_rows`: no distribution over the vocabulary is
+    built); the others by their sampling distributions (`verify_rows`); the same verdicts."""
+    check_logits(logits, who)
+    greedy = [b for b, r in enumerate(rows) if r.params.greedy and r.params.coupled is None]
+    if len(greedy) == len(rows):
+        return verify_greedy_rows(draft_tokens, lens, logits.argmax(-1))
+    rest = [b for b in range(len(rows)) if b not in set(greedy)]
+    sub = [rows[b] for b in rest]
+    target_probs = _probs_by_params(logits[rest], sub, who)
+    for i, r in enumerate(sub):  # a coupled row: each position one-hot on its keyed draw
+        if r.params.coupled is not None:
+            target_probs[i] = couple(target_probs[i], r.params, r.length)
+    q = None if probs is None else probs[rest]
+    hot = None if one_hot is None or q is None else \
+        torch.tensor([one_hot[b] for b in rest], dtype=torch.bool, device=logits.device)
+    sampled = verify_rows(draft_tokens[rest], [lens[b] for b in rest], q, hot, target_probs,
+                          [r.generator for r in sub])
+    if not greedy:
+        return sampled
+    chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], logits[greedy].argmax(-1))
+    parts = (chosen, sampled)
+    order = torch.tensor(greedy + rest).argsort()
+    return RaggedVerdict(*(torch.cat([getattr(v, f) for v in parts])[order]
+                           for f in ("n_accepted", "next_tokens", "bonus")))
 
 
 class BatchEngine:
@@ -148,19 +178,13 @@ class BatchEngine:
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
-        target_probs = _probs_by_params(logits, active, f"target '{self.target.name}'")
-        for b, r in enumerate(active):  # a coupled row: each position one-hot on its keyed draw
-            if r.params.coupled is not None:
-                target_probs[b] = couple(target_probs[b], r.params, r.length)
-        share = self._timed(len(active), d0, d1)
         # 4. Ragged verification.
         k_max = max(lens)
         draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens], dtype=torch.long,
-                                    device=target_probs.device).reshape(len(active), k_max)  # (B, K)
+                                    device=logits.device).reshape(len(active), k_max)  # (B, K)
         probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
-        one_hot = None if draft.one_hot is None or probs is None else \
-            torch.tensor(draft.one_hot, dtype=torch.bool, device=target_probs.device)
-        verdict = verify_rows(draft_tokens, lens, probs, one_hot, target_probs, [r.generator for r in active])
+        verdict = _verdict(logits, active, draft_tokens, lens, probs, draft.one_hot, f"target '{self.target.name}'")
+        share = self._timed(len(active), d0, d1)
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
         events = []
@@ -623,9 +647,8 @@ class BatchEngine:
                 q_max = torch.full((n_rows, max(sizes) - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
                                    device=logits.device)
             drafts = torch.zeros(n_rows, n - 1, dtype=torch.long, device=logits.device)
-            one_hot = torch.tensor([params.greedy] * n_rows, device=logits.device)
-            verify_rows(drafts, [n - 1] * n_rows, None if q_max is None else q_max[:, : n - 1], one_hot,
-                        _probs_by_params(logits, rows, who), [r.generator for r in rows])
+            _verdict(logits, rows, drafts, [n - 1] * n_rows, None if q_max is None else q_max[:, : n - 1],
+                     [params.greedy] * n_rows, who)
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
             part.propose(rows, [k] * n_rows)

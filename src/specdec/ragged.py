@@ -7,6 +7,8 @@ the tensors are padded to K and the entries past k_b are never read.
 Two implementations with identical results:
 - `verify_rows_reference`, the specification: a plain loop calling `verify_chain` per row;
 - `verify_rows`, the same arithmetic on the whole batch at once.
+- `verify_greedy_rows`, the case of rows whose p is one-hot (a greedy target): from the
+  target's choices alone, with no distribution built and nothing drawn.
 Each row has its own `torch.Generator`. Both draw from it in the same order, which is what
 makes them agree exactly (not only in distribution): k_b uniforms for the acceptance test
 (`torch.rand(k_b)`), then one `torch.multinomial` draw of the recovered or bonus token from
@@ -115,3 +117,24 @@ def verify_rows(
     next_tokens = torch.stack([sample(next_probs[b], generators[b]) for b in range(n_rows)]) if n_rows else (
         torch.zeros(0, dtype=torch.long, device=device))
     return RaggedVerdict(n_accepted, next_tokens, bonus)
+
+
+def verify_greedy_rows(
+    draft_tokens: torch.Tensor,  # (B, K) int64, row b valid up to draft_lens[b]
+    draft_lens: Sequence[int],  # (B,) k_b
+    choices: torch.Tensor,  # (B, K+1) int64: the target's argmax at each scored position
+) -> RaggedVerdict:
+    """Rows whose target distribution is one-hot on `choices` (greedy): `verify_rows` with
+    p = one_hot(choices) and any q gives this. A drafted token passes u * q(x) < p(x) exactly
+    when it is the choice (p(x) = 1 > u * q(x) for u < 1, q <= 1; else p(x) = 0), and the token
+    that ends the round is the choice at the first rejection (the residual max(0, p - q) has
+    mass on the choice alone, or none, when p itself is used) or after the last drafted token.
+    No uniforms are drawn: a greedy row's generator decides nothing. (B rows of SmolLM2's
+    49,152 ids on a 2-core CPU: the one-hot p and `verify_rows` took 8 ms a step at B = 32.)"""
+    n_rows, k_max = draft_tokens.shape
+    lens = torch.tensor(list(draft_lens), dtype=torch.long, device=choices.device)
+    in_draft = torch.arange(k_max, device=choices.device)[None, :] < lens[:, None]
+    passed = (draft_tokens == choices[:, :k_max]) & in_draft
+    n_accepted = passed.long().cumprod(-1).sum(-1)
+    next_tokens = choices.gather(1, n_accepted[:, None])[:, 0]
+    return RaggedVerdict(n_accepted, next_tokens, n_accepted == lens)

@@ -46,6 +46,9 @@ def _passes(model: BatchLlama):
     out.append(model.forward([1], [starts[1] + 5], [[30]], [1]))
     out.append(model.forward_features([2], [starts[2] + 9], [[31, 32]], [2], layers=3, head=False))
     out.append(model.forward_fused([0, 2], [starts[0] + 1, starts[2] + 9], [[33], [34, 35]], [1, 2], (1, 5, 8)))
+    # a prompt read from a block's end within the first chunk (as after a cached system turn), past the chunk
+    out.append(model.forward([3], [0], [prompts[1][:24]], [1]))
+    out.append(model.forward([3], [24], [prompts[1][24:]], [1]))
     return out
 
 
@@ -66,7 +69,7 @@ def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built,
     assert layerloop.stack_for(lm).raw == (kernel != "torch")
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert _equal(cpp, python)
-    assert _equal(cpp_cache, python_cache) and len(cpp_cache) == 3
+    assert _equal(cpp_cache, python_cache) and len(cpp_cache) == 4
 
 
 def test_the_cpp_loop_computes_the_python_loops_bits_in_float32(monkeypatch, built, tiny_pair):

@@ -42,6 +42,22 @@ def test_a_prefix_is_found_by_its_tokens_in_whole_blocks_leaving_the_last_token(
     assert cache.stats.hits == 3 and cache.stats.hit_tokens == 12 + 8 + 4
 
 
+def test_within_the_first_chunk_blocks_are_fine_so_a_shared_system_turn_is_kept():
+    """With the targets' attention chunk (64), blocks end at multiples of 8 within the first 64
+    positions (where prompts attend in blocks of 8: `defaults.attention_block_end`), then at
+    multiples of 64: two chat prompts that share a 24-token system turn share 24 positions."""
+    from specdec.defaults import FINE_BLOCK, PREFILL_CHUNK
+
+    cache = PrefixCache(PREFILL_CHUNK, 1 << 24)
+    assert cache.spans(150) == [(a, a + FINE_BLOCK) for a in range(0, 64, FINE_BLOCK)] + [(64, 128)]
+    system = list(range(100, 124))
+    first = system + list(range(500, 515))  # 39 tokens: 4 blocks of 8 usable (32 < 38)
+    assert cache.store(first, *kv(39)) == 4
+    assert cache.lookup(system + [7] * 10)[0] == 24  # another question after the same system turn
+    assert cache.lookup(system[:20] + [7] * 30)[0] == 16
+    assert cache.usable(64) == 56 and cache.usable(65) == 64 and cache.usable(129) == 128
+
+
 def test_only_what_a_prompt_pass_computed_is_stored():
     cache = PrefixCache(BLOCK, 1 << 20)
     k, v = kv(6)  # six positions computed of a 20-token prompt
@@ -137,6 +153,26 @@ def test_batched_rows_and_chunked_prefill_take_cached_prefixes_exactly(tiny_pair
     assert engine_for(wide, 8).prefix_cache.stats.hit_tokens == 5 * 128
 
 
+@pytest.mark.parametrize("prophet", ["none", "ngram", "close"])
+def test_prompts_that_share_a_short_opening_take_it_from_the_cache_exactly(tiny_pair, prophet):
+    """Prompts sharing their first 21 tokens (less than a chunk, as a chat template's system turn):
+    each later one starts at 16 (two blocks of 8) with the tokens of reading its whole prompt,
+    alone and in batches, greedy and seeded sampling."""
+    draft = tiny_pair["close"] if prophet == "close" else prophet
+    plain = load(tiny_pair["target"], draft=draft, policy="fixed")
+    cached = load(tiny_pair["target"], draft=draft, policy="fixed", prefix_cache_mb=16)
+    opening = turns(plain.target.vocab_size, 5)[0][:21]
+    prompts = [opening + [7 + i] * (5 + 3 * i) for i in range(4)]
+    for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        assert run_turns(cached, prompts, **settings) == run_turns(plain, prompts, **settings), settings
+    # greedy: the later three start at 16; sampled, each finds its own prompt's whole blocks (the
+    # last one's 32 tokens of 35, the others' 24)
+    assert cached._one_loop().prefix_cache.stats.hit_tokens == 3 * 16 + 3 * 24 + 32
+    want = plain.generate_many(prompts, max_batch=4, max_new_tokens=10, temperature=0)
+    got = cached.generate_many(prompts, max_batch=4, max_new_tokens=10, temperature=0)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
 def test_an_engine_that_reads_every_prompt_feature_keeps_no_prefixes(tiny_pair):
     engine = load(tiny_pair["target"], draft="none")._one_loop()
     engine.fused_layers = (0, 1, 2)  # as with an eagle3 prophet, which drafts from every position's features
@@ -175,6 +211,14 @@ def test_smollm2_continues_a_chat_from_its_prefix_cache_token_for_token(draft):
     assert cached.generate(messages=more, max_new_tokens=8, temperature=0).token_ids == \
         plain.generate(messages=more, max_new_tokens=8, temperature=0).token_ids
     assert cached._one_loop().prefix_cache.stats.hit_tokens >= 64
+    # another question after SmolLM2's default system turn (24 tokens) starts past it
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    before = cached._one_loop().prefix_cache.stats.hit_tokens
+    for question in ("Why is the sky blue?", "Write a haiku about autumn."):
+        ask = [{"role": "user", "content": question}]
+        assert cached.generate(messages=ask, max_new_tokens=8, temperature=0).token_ids == \
+            plain.generate(messages=ask, max_new_tokens=8, temperature=0).token_ids
+    assert cached._one_loop().prefix_cache.stats.hit_tokens - before == 24
 
 
 def test_a_decoders_engines_share_one_prefix_cache(tiny_pair):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SAMPLING_RULE, TEMPERATURE, TOP_P
+from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SAMPLING_RULE, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P
 from specdec.errors import SpecdecError
 
 
@@ -524,10 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MiB of KV cache the batched requests may reserve together (each reserves what its prompt "
                          "and max_tokens can reach; more wait; one that could never fit gets a 400); default: half "
                          "of the memory available at startup")
-    sv.add_argument("--prefix-cache", type=float, default=0.0, metavar="MIB",
+    sv.add_argument("--prefix-cache", type=float, default=SERVE_PREFIX_CACHE_MB, metavar="MIB",
                     help="MiB of prompt prefixes' keys and values to keep, so that a prompt that starts as an "
                          "earlier one did (the next turn of a chat, a shared system prompt) is read from where they "
-                         "part, with the same answer (default 0: none)")
+                         f"part, with the same answer (default {SERVE_PREFIX_CACHE_MB:g}; 0: none)")
     sv.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="TOKENS",
                     help=f"prompt tokens prefilled per batched step, between the running rows' steps: the longest "
                          f"a stream waits for a joining prompt (default {PREFILL_CHUNK})")

@@ -19,6 +19,24 @@ BUNDLED = "bundled"  # the small pair trained here on the standard library (test
 # Prompt tokens prefilled per batched step (the longest a running stream waits for a joining
 # prompt); prompt queries attend in blocks of this size on every lean path
 PREFILL_CHUNK = 64
+# ... but within the first chunk in blocks of this many positions, where a chat template's
+# system prompt and a short conversation end, so that the prefix cache can keep them
+# (SmolLM2's default system turn is 24 tokens); few and short, so cheap
+FINE_BLOCK = 8
+# MiB of prompt prefixes' keys and values a server keeps (`specdec serve --prefix-cache`):
+# a shared system turn and the recent conversations' openings (SmolLM2 in float32: ~46 KB
+# a position, so ~700 positions)
+SERVE_PREFIX_CACHE_MB = 32.0
+
+
+def attention_block_end(position: int, chunk: int) -> int:
+    """The end of the block of prompt queries holding `position` (every lean path's
+    `exact_attention`, the C++ layer loop's, and the prefix cache's blocks): multiples of
+    FINE_BLOCK below the first multiple of `chunk` (where `chunk` is a multiple of it), then
+    multiples of `chunk`. A prompt read whole, in chunks of `chunk`, or from any such end
+    attends in the same blocks."""
+    step = FINE_BLOCK if position < chunk and chunk % FINE_BLOCK == 0 else chunk
+    return position // step * step + step
 
 TEMPERATURE = 1.0
 TOP_P = 1.0

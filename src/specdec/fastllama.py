@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import layerloop
-from specdec.defaults import PREFILL_CHUNK
+from specdec.defaults import PREFILL_CHUNK, attention_block_end
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_layout
@@ -165,8 +165,9 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                     gqa: bool, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
     cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries under a causal
-    mask, in blocks that end at multiples of `chunk` positions (a long prompt never builds an
-    n x n score matrix, and a prompt fed whole or in aligned chunks attends alike), then each of
+    mask, in blocks that end where `defaults.attention_block_end` says (multiples of `chunk`
+    positions, and of FINE_BLOCK within the first chunk: a long prompt never builds an n x n
+    score matrix, and a prompt fed whole or from any block's end attends alike), then each of
     the last `solo` queries alone, exactly as a one-token step attends (in bfloat16 attention
     over several queries at once rounds differently). Every lean path (FastLlamaLM, each row
     of BatchLlama) attends through here, so a row's scores never depend on how many tokens or
@@ -175,8 +176,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     lead = n - solo
     parts = []
     a = 0
-    while a < lead:  # block [a, b) of the leading queries, b at the next multiple of chunk
-        b = min(lead, (start + a) // chunk * chunk + chunk - start)
+    while a < lead:  # block [a, b) of the leading queries, b at the next block's end
+        b = min(lead, attention_block_end(start + a, chunk) - start)
         if b - a == 1:
             parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa))
         else:

@@ -3,11 +3,13 @@ requests read, kept by blocks and copied into a new request's cache slot instead
 again (multi-turn chat re-sends the whole conversation; many requests share a system prompt
 or a document).
 
-Exactness. A prompt's leading positions attend in blocks that end at multiples of the
-target's attention chunk (`fastllama.exact_attention`), and every product computes each row
-alone (the same bits at any row count), so the keys and values at positions [0, L) depend on
-tokens [0, L) only, whenever L is a multiple of that chunk. The cache keeps exactly such
-prefixes: blocks of `block` positions (the target's attention chunk), each keyed by its own
+Exactness. A prompt's leading positions attend in blocks whose ends
+`defaults.attention_block_end` gives (multiples of the target's attention chunk, and of
+`FINE_BLOCK` within the first chunk: `fastllama.exact_attention`), and every product computes
+each row alone (the same bits at any row count), so the keys and values at positions [0, L)
+depend on tokens [0, L) only, whenever L is such an end. The cache keeps exactly such
+prefixes: blocks between consecutive ends (8 positions within the first chunk, so that a
+chat template's system turn is kept, then chunks), each keyed by its own
 tokens and its parent block (so a key is the whole prefix, compared token for token, never by
 a hash alone), taken only from positions a prompt pass computed (never from generated tokens,
 which one-token steps compute). A request that finds its first L positions here starts at L
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specdec.defaults import attention_block_end
 
 _Key = tuple[int, tuple[int, ...]]  # (parent block's id, 0 for none; this block's tokens)
 
@@ -53,6 +57,7 @@ class PrefixCache:
     """Blocks of prompt keys and values by prefix, within `max_bytes` (see the module)."""
 
     def __init__(self, block: int, max_bytes: int) -> None:
+        """block: the target's attention chunk (the blocks end where its prompt blocks do)."""
         if block < 1:
             raise ValueError("the prefix cache's block must be >= 1 position")
         if max_bytes < 0:
@@ -67,10 +72,19 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def spans(self, limit: int) -> list[tuple[int, int]]:
+        """The blocks [a, b) of positions [0, limit), whole ones only."""
+        out, a = [], 0
+        while (b := attention_block_end(a, self.block)) <= limit:
+            out.append((a, b))
+            a = b
+        return out
+
     def usable(self, prompt_len: int) -> int:
         """The longest prefix a prompt of this length may take from here or give to it: whole
         blocks, leaving at least its last token to be read (its logits start the answer)."""
-        return max(0, (prompt_len - 1) // self.block * self.block)
+        spans = self.spans(prompt_len - 1)
+        return spans[-1][1] if spans else 0
 
     def _refresh(self, path: Sequence[_Key]) -> None:
         for key in reversed(path):  # deepest first: a parent ends up more recent than its children
@@ -86,18 +100,19 @@ class PrefixCache:
         self.stats.lookups += 1
         path: list[_Key] = []
         parent = 0
-        for a in range(0, self.usable(len(tokens)), self.block):
-            key = (parent, tuple(tokens[a : a + self.block]))
+        end = 0
+        for a, b in self.spans(len(tokens) - 1):
+            key = (parent, tuple(tokens[a:b]))
             found = self._blocks.get(key)
             if found is None:
                 break
             path.append(key)
-            parent = found.id
+            parent, end = found.id, b
         self._refresh(path)
         if path:
             self.stats.hits += 1
-            self.stats.hit_tokens += len(path) * self.block
-        return len(path) * self.block, [(self._blocks[k].keys, self._blocks[k].values) for k in path]
+            self.stats.hit_tokens += end
+        return end, [(self._blocks[k].keys, self._blocks[k].values) for k in path]
 
     def store(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> int:
         """Keep the whole blocks of prompt `tokens` that a prompt pass computed into keys and
@@ -107,18 +122,16 @@ class PrefixCache:
             return self._store(tokens, keys, values)
 
     def _store(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> int:
-        limit = min(self.usable(len(tokens)), keys.shape[2] // self.block * self.block)
         path: list[_Key] = []
         kept, added, parent = 0, 0, 0
-        for a in range(0, limit, self.block):
-            key = (parent, tuple(tokens[a : a + self.block]))
+        for a, b in self.spans(min(len(tokens) - 1, keys.shape[2])):
+            key = (parent, tuple(tokens[a:b]))
             found = self._blocks.get(key)
             if found is None:
-                nbytes = 2 * keys[:, :, :self.block].numel() * keys.element_size()
+                nbytes = 2 * keys[:, :, a:b].numel() * keys.element_size()
                 if kept + nbytes > self.max_bytes:
                     break  # the prefix itself would not fit
-                found = _Block(self._next_id, keys[:, :, a : a + self.block].clone(),
-                               values[:, :, a : a + self.block].clone())
+                found = _Block(self._next_id, keys[:, :, a:b].clone(), values[:, :, a:b].clone())
                 self._next_id += 1
                 self._blocks[key] = found
                 self.nbytes += found.nbytes

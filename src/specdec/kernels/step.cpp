@@ -388,8 +388,14 @@ struct Layer {
 // The model's layers and shapes, built once per model (`specdec.step.stack_for`).
 class Stack {
  public:
-  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, bool exact_rows)
-      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), chunk_(chunk), exact_rows_(exact_rows) {}
+  Stack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t chunk, int64_t fine, bool exact_rows)
+      : n_heads_(n_heads),
+        n_kv_(n_kv),
+        head_dim_(head_dim),
+        eps_(eps),
+        chunk_(chunk),
+        fine_(chunk % fine == 0 ? fine : chunk),
+        exact_rows_(exact_rows) {}
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
     TORCH_CHECK(products.size() == 4, "a layer has four products (qkv, o, gate_up, down)");
@@ -498,14 +504,21 @@ class Stack {
     return w.down.mm(at::silu(halves[0]) * halves[1]);
   }
 
-  // `exact_attention`: the leading n - solo queries in causal blocks ending at multiples of the chunk, then each
-  // of the last `solo` queries alone; a query alone attends through attend_one (as `fastllama.one_query` does).
+  // `defaults.attention_block_end`: the end of the prompt block holding a position (multiples of fine_ within the
+  // first chunk, of chunk_ beyond).
+  int64_t block_end(int64_t position) const {
+    const int64_t step = position < chunk_ ? fine_ : chunk_;
+    return position / step * step + step;
+  }
+
+  // `exact_attention`: the leading n - solo queries in causal blocks ending at `block_end`, then each of the last
+  // `solo` queries alone; a query alone attends through attend_one (as `fastllama.one_query` does).
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, int64_t solo, bool gqa) const {
     const int64_t n = q.size(2), lead = n - solo;
     std::vector<torch::Tensor> parts;
     for (int64_t a = 0; a < lead;) {
-      const int64_t b = std::min(lead, (start + a) / chunk_ * chunk_ + chunk_ - start);
+      const int64_t b = std::min(lead, block_end(start + a) - start);
       if (b - a == 1) {
         parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b));
       } else {
@@ -642,7 +655,7 @@ class Stack {
 
   int64_t n_heads_, n_kv_, head_dim_;
   double eps_;
-  int64_t chunk_;
+  int64_t chunk_, fine_;
   bool exact_rows_;
   std::vector<Layer> layers_;
   bool raw_ = true;  // every layer's products write into buffers (`run_raw`)
@@ -671,8 +684,9 @@ void register_step(pybind11::module& m) {
   m.def("rope_heads", &rope_heads, "x * cos + roll(x, hd/2) * sin_signed for heads (B, H, n, hd)", py::arg("heads"),
         py::arg("cos"), py::arg("sin_signed"));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, bool>(), py::arg("n_heads"), py::arg("n_kv"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("exact_rows"))
+      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, bool>(), py::arg("n_heads"),
+           py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("fine"),
+           py::arg("exact_rows"))
       .def("add_layer", &Stack::add_layer)
       .def("__len__", &Stack::size)
       .def_property_readonly("raw", &Stack::raw,

@@ -32,7 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P, display_name
+from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
 from specdec.openmp import release_pool
 from specdec.policy import POLICIES
@@ -60,7 +60,7 @@ class ServerConfig:
     warm_up: bool = True  # measure the batched step's costs before serving (the auto policy's K)
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens prefilled per batched step: the longest stall of a stream
     kv_memory: int | None = None  # bytes of batched KV cache requests may reserve (None: half of MemAvailable)
-    prefix_cache_mb: float = 0.0  # MiB of prompt prefixes' keys and values kept for later requests (specdec.prefix)
+    prefix_cache_mb: float = SERVE_PREFIX_CACHE_MB  # MiB of prompt prefixes' keys and values kept (specdec.prefix)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config: ServerConfig | None = None) -> FastAPI:

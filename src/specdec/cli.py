@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                          "(default: $SPECDEC_API_KEY; none when unset)")
-    sv.add_argument("--max-batch", type=int, default=32,
+    sv.add_argument("--max-batch", type=int, default=64,
                     help="requests decoded together: the rows of one batched step")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch; more get 429")
     sv.add_argument("--timeout", type=float, default=600.0,

@@ -190,7 +190,9 @@ class Costs:
     def verify_time(self, n: int) -> float:
         """Seconds to score n tokens: linear between the measured sizes, and past the
         largest along the last measured slope."""
-        points = sorted(self.t_verify.items())
+        points = self.__dict__.get("_points")  # a Costs is never changed once made: sorted once
+        if points is None:
+            points = self.__dict__["_points"] = sorted(self.t_verify.items())
         if n <= points[0][0]:
             return points[0][1]
         for (n0, t0), (n1, t1) in itertools.pairwise(points):
@@ -204,7 +206,14 @@ class Costs:
     def round_time(self, k: int, prophet: str | None = None) -> float:
         """A round of k drafts: k drafting steps and the call's fixed cost (of `prophet` when
         its own costs are known, else of every prophet in a tree, the costliest otherwise),
-        then one pass over the 1 + width * k tokens."""
+        then one pass over the 1 + width * k tokens. (Kept by (k, prophet): the policies ask
+        for every K of every row each step.)"""
+        cache = self.__dict__.setdefault("_rounds", {})
+        if (k, prophet) not in cache:
+            cache[k, prophet] = self._round_time(k, prophet)
+        return float(cache[k, prophet])
+
+    def _round_time(self, k: int, prophet: str | None) -> float:
         t_draft = self.t_draft_by.get(prophet, self.t_draft) if prophet else self.t_draft
         calls = self.t_call_by.values()
         t_call = self.t_call_by[prophet] if prophet in self.t_call_by else \

@@ -79,7 +79,8 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     greedy = [b for b, r in enumerate(rows) if r.params.greedy and r.params.coupled is None]
     if len(greedy) == len(rows):
         return verify_greedy_rows(draft_tokens, lens, logits.argmax(-1))
-    rest = [b for b in range(len(rows)) if b not in set(greedy)]
+    chosen_rows = set(greedy)
+    rest = [b for b in range(len(rows)) if b not in chosen_rows]
     sub = [rows[b] for b in rest]
     target_probs = _probs_by_params(logits[rest], sub, who)
     for i, r in enumerate(sub):  # a coupled row: each position one-hot on its keyed draw

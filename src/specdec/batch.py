@@ -60,6 +60,7 @@ from specdec.rowprophets import (
     TreeBatchProphet,
     _prefill,
     _probs_by_params,
+    in_row_order,
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
@@ -75,14 +76,14 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     (B, K, V) or None, `one_hot` the rows whose q is one-hot. Greedy rows (not coupled) by the
     target's choices alone (`verify_greedy_rows`: no distribution over the vocabulary is
     built); the others by their sampling distributions (`verify_rows`); the same verdicts."""
-    check_logits(logits, who)
     greedy = [b for b, r in enumerate(rows) if r.params.greedy and r.params.coupled is None]
     if len(greedy) == len(rows):
+        check_logits(logits, who)
         return verify_greedy_rows(draft_tokens, lens, logits.argmax(-1))
     chosen_rows = set(greedy)
     rest = [b for b in range(len(rows)) if b not in chosen_rows]
     sub = [rows[b] for b in rest]
-    target_probs = _probs_by_params(logits[rest], sub, who)
+    target_probs = _probs_by_params(logits[rest], sub, who)  # checks their logits
     for i, r in enumerate(sub):  # a coupled row: each position one-hot on its keyed draw
         if r.params.coupled is not None:
             target_probs[i] = couple(target_probs[i], r.params, r.length)
@@ -93,10 +94,10 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
                           [r.generator for r in sub])
     if not greedy:
         return sampled
-    chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], logits[greedy].argmax(-1))
-    parts = (chosen, sampled)
-    order = torch.tensor(greedy + rest).argsort()
-    return RaggedVerdict(*(torch.cat([getattr(v, f) for v in parts])[order]
+    greedy_logits = logits[greedy]
+    check_logits(greedy_logits, who)
+    chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], greedy_logits.argmax(-1))
+    return RaggedVerdict(*(in_row_order(greedy + rest, [getattr(chosen, f), getattr(sampled, f)])
                            for f in ("n_accepted", "next_tokens", "bonus")))
 
 

@@ -29,14 +29,25 @@ FINE_BLOCK = 8
 SERVE_PREFIX_CACHE_MB = 32.0
 
 
+def fine_block(chunk: int) -> int:
+    """The block size within the first `chunk` positions: FINE_BLOCK where `chunk` is a
+    multiple of it, else `chunk` (the C++ layer loop is handed this)."""
+    return FINE_BLOCK if chunk % FINE_BLOCK == 0 else chunk
+
+
 def attention_block_end(position: int, chunk: int) -> int:
     """The end of the block of prompt queries holding `position` (every lean path's
     `exact_attention`, the C++ layer loop's, and the prefix cache's blocks): multiples of
-    FINE_BLOCK below the first multiple of `chunk` (where `chunk` is a multiple of it), then
-    multiples of `chunk`. A prompt read whole, in chunks of `chunk`, or from any such end
-    attends in the same blocks."""
-    step = FINE_BLOCK if position < chunk and chunk % FINE_BLOCK == 0 else chunk
+    `fine_block(chunk)` below the first multiple of `chunk`, then multiples of `chunk`. A
+    prompt read whole, in chunks of `chunk`, or from any such end attends in the same blocks."""
+    step = fine_block(chunk) if position < chunk else chunk
     return position // step * step + step
+
+
+def attention_block_floor(position: int, chunk: int) -> int:
+    """The last block end at or before `position` (0 if none)."""
+    step = fine_block(chunk) if position < chunk else chunk
+    return position // step * step
 
 TEMPERATURE = 1.0
 TOP_P = 1.0

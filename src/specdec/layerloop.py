@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specdec import qgemm
-from specdec.defaults import FINE_BLOCK
+from specdec.defaults import fine_block
 from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
@@ -81,8 +81,8 @@ def _build(lm: Any) -> Any:
     if not qgemm.available():
         return None
     module = qgemm.module()
-    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk, FINE_BLOCK,
-                         lm.exact_rows)
+    stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk,
+                         fine_block(lm.attention_chunk), lm.exact_rows)
     for w in lm.layers:
         products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:

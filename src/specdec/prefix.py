@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.defaults import attention_block_end
+from specdec.defaults import attention_block_end, attention_block_floor
 
 _Key = tuple[int, tuple[int, ...]]  # (parent block's id, 0 for none; this block's tokens)
 
@@ -83,8 +83,7 @@ class PrefixCache:
     def usable(self, prompt_len: int) -> int:
         """The longest prefix a prompt of this length may take from here or give to it: whole
         blocks, leaving at least its last token to be read (its logits start the answer)."""
-        spans = self.spans(prompt_len - 1)
-        return spans[-1][1] if spans else 0
+        return attention_block_floor(max(prompt_len - 1, 0), self.block)
 
     def _refresh(self, path: Sequence[_Key]) -> None:
         for key in reversed(path):  # deepest first: a parent ends up more recent than its children

@@ -299,9 +299,14 @@ def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Ten
     together = [i for i in range(h.shape[0]) if i not in single]
     parts = ([together] if together else []) + [[i] for i in alone]
     gs = [p.guess(h[part], h0[part], last[part], j) for part in parts]
-    back = torch.argsort(torch.tensor([i for part in parts for i in part], device=h.device))  # rows in order
-    g = torch.cat(gs)[back]
-    return g, torch.cat([p.draft_logits(x) for x in gs])[back]
+    rows = [i for part in parts for i in part]
+    return in_row_order(rows, gs), in_row_order(rows, [p.draft_logits(x) for x in gs])
+
+
+def in_row_order(rows: Sequence[int], parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Results computed by groups of rows (`parts`, concatenated in the order of `rows`, the row
+    index of each of their entries) back in row order 0..B-1."""
+    return torch.cat(list(parts))[torch.argsort(torch.tensor(list(rows), device=parts[0].device))]
 
 
 class Eagle3BatchProphet:

@@ -50,6 +50,7 @@ namespace {
 
 constexpr int64_t PANEL_ROWS = 16;   // weight rows a panel
 constexpr int64_t PANEL_BLOCK = 320;  // bytes of one panel's block: 16 d, 16 m (fp16), 16 pairs x 16 rows of codes
+constexpr int64_t PANEL_BLOCK8 = 544;  // bytes of one Q8_0 panel's block: 16 d (fp16), 16 pairs x 16 rows of 2 codes
 constexpr int64_t CODES_AT = 64;      // the codes' offset in a panel's block
 
 namespace mm16 {
@@ -118,7 +119,7 @@ struct PanelsQ4_1 {
 };
 
 struct PanelsQ8_0 {
-  static constexpr int64_t BLOCK = 544;
+  static constexpr int64_t BLOCK = PANEL_BLOCK8;
   static constexpr bool MINS = false;
   static void pairs(const uint8_t* block, int i, __m512i& even, __m512i& odd) {
     even = codes8(block + 32 + 32 * i);
@@ -335,7 +336,7 @@ bool compiled16() {
 torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qmm16: Q4_1 (format 0) or Q8_0 (format 1) weights, got format ", fmt);
   const char* name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
-  const int64_t bytes = fmt == Q4_1 ? PANEL_BLOCK : 544;
+  const int64_t bytes = fmt == Q4_1 ? PANEL_BLOCK : PANEL_BLOCK8;
   TORCH_CHECK(compiled16(), name, ": this build has no AVX-512 BF16 kernel (the CPU lacks avx512_bf16)");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), name, ": tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());

@@ -394,7 +394,7 @@ class Stack {
         head_dim_(head_dim),
         eps_(eps),
         chunk_(chunk),
-        fine_(chunk % fine == 0 ? fine : chunk),
+        fine_(fine),
         exact_rows_(exact_rows) {}
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
@@ -504,8 +504,8 @@ class Stack {
     return w.down.mm(at::silu(halves[0]) * halves[1]);
   }
 
-  // `defaults.attention_block_end`: the end of the prompt block holding a position (multiples of fine_ within the
-  // first chunk, of chunk_ beyond).
+  // `defaults.attention_block_end`: the end of the prompt block holding a position (multiples of fine_, which
+  // `defaults.fine_block` gives, within the first chunk, of chunk_ beyond).
   int64_t block_end(int64_t position) const {
     const int64_t step = position < chunk_ ? fine_ : chunk_;
     return position / step * step + step;

@@ -225,13 +225,14 @@ class Eagle3Runtime:
         module = layerloop.kernels()
         if module is None or layerloop.loop_choice() == "python" or self.embed.device.type != "cpu":
             return None
-        from specdec.defaults import FINE_BLOCK, PREFILL_CHUNK
+        from specdec.defaults import PREFILL_CHUNK, fine_block
 
         products = [layerloop._product(module, self.w[name], "") for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products):
             return None
         n = self.net
-        stack = module.Stack(n.n_heads, n.n_kv, n.head_dim, float(n.eps), PREFILL_CHUNK, FINE_BLOCK, False)
+        stack = module.Stack(n.n_heads, n.n_kv, n.head_dim, float(n.eps), PREFILL_CHUNK, fine_block(PREFILL_CHUNK),
+                             False)
         stack.add_layer(n.norm_attn.detach().float().contiguous(), n.norm_mlp.detach().float().contiguous(), products)
         return stack
 

@@ -35,8 +35,8 @@ def _equal(a, b) -> bool:
 
 def _passes(model: BatchLlama):
     """A sequence of passes as the one loop makes them: ragged prompts (one past the prefill
-    chunk), a batched verification pass of 1, 5 and 9 tokens, one-token steps, an early exit and
-    the eagle3 capture of three layers' outputs."""
+    chunk), a batched verification pass of 1, 5 and 9 tokens, one-token steps, an early exit,
+    the eagle3 capture of three layers' outputs and token trees beside a chain."""
     chunk = model.attention_chunk
     prompts = [[1 + (7 * i) % 300 for i in range(n)] for n in (5, chunk + 9, 40)]
     out = [model.forward_features([0, 1, 2], [0, 0, 0], prompts, [1, 1, 1])]
@@ -49,6 +49,11 @@ def _passes(model: BatchLlama):
     # a prompt read from a block's end within the first chunk (as after a cached system turn), past the chunk
     out.append(model.forward([3], [0], [prompts[1][:24]], [1]))
     out.append(model.forward([3], [24], [prompts[1][24:]], [1]))
+    # token trees beside a chain: each row's pending token then its nodes (a verification pass of a tree)
+    at = [starts[0] + 2, starts[1] + 6]
+    out.append(model.forward_features([0, 1, 3], [*at, 24 + len(prompts[1][24:])],
+                                      [[40, 41, 42, 43, 44, 45], [46, 47, 48], [49, 50]], [6, 3, 2],
+                                      trees=[[-1, -1, 0, 1, 3], None, [-1]]))
     return out
 
 
@@ -70,6 +75,31 @@ def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built,
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert _equal(cpp, python)
     assert _equal(cpp_cache, python_cache) and len(cpp_cache) == 4
+
+
+def test_a_token_trees_nodes_score_as_one_token_steps_in_the_cpp_loop(built, monkeypatch):
+    """Through the C++ loop (4-bit SmolLM2, its default kernel), a tree's every node scores what the
+    one-token step at its place computes: each node's logits equal the last ones of a verification
+    pass of its path alone, bit for bit, and the tree pass runs in C++ (not the Python loop)."""
+    lm = load("smollm2", draft="none", dtype="int4").target.rows.view(1)
+    assert layerloop.stack_for(lm) is not None and lm.exact_rows
+    ctx = [1 + (37 * i) % 900 for i in range(75)]
+    parents, tokens = [-1, -1, 0, 0, 1, 2, 5, -1], [11, 22, 33, 44, 55, 66, 77, 88]
+    lm.forward([0], [0], [ctx[:-1]], [1])
+
+    def python_loop(*args, **kwargs):
+        raise AssertionError("the tree pass took the Python loop")
+
+    with monkeypatch.context() as m:
+        m.setattr(lm, "_attention", python_loop)
+        tree = lm.forward([0], [len(ctx) - 1], [[ctx[-1], *tokens]], [len(tokens) + 1], trees=[parents])[0]
+    for j in range(len(tokens)):
+        path, a = [], j
+        while a >= 0:
+            path.insert(0, tokens[a])
+            a = parents[a]
+        alone = lm.forward([0], [len(ctx) - 1], [[ctx[-1], *path]], [len(path) + 1])[0, len(path)]
+        assert torch.equal(tree[1 + j], alone), j
 
 
 def test_the_cpp_loop_computes_the_python_loops_bits_in_float32(monkeypatch, built, tiny_pair):

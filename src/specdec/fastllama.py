@@ -588,15 +588,21 @@ class BatchLlama(LlamaWeights):
             raise ValueError(f"'{self.name}' has a context of {self.max_length} tokens")
         layouts: list[_Tree | None] = [None] * len(slots)
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
-        for b, parents in enumerate(trees or []):
-            if parents:  # laid out once for every layer: positions, mask, each node's keys
-                start, chain = starts[b], len(new_ids[b]) - len(parents)
-                where, allowed = tree_layout(start, chain, parents)
-                positions[b, : len(where)] = where.to(device)
-                context = torch.arange(start, device=device)
-                node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
-                             for j in range(chain, len(where))] if self.exact_rows else []
-                layouts[b] = _Tree(allowed.to(device), node_keys)
+        # the same layers in C++ where it applies (bit for bit this loop's results, see specdec.layerloop): token
+        # trees too where each of their queries attends alone (a verification pass: a chain of one pending token)
+        tree_rows = [b for b, t in enumerate(trees or []) if t]
+        in_cpp = not tree_rows or (self.exact_rows and all(
+            len(new_ids[b]) - len(trees[b]) == 1 and n_logits[b] >= len(new_ids[b]) for b in tree_rows))  # type: ignore[index]
+        stack = layerloop.stack_for(self) if in_cpp and (layers is None or layers >= 0) else None
+        for b in tree_rows:  # laid out once for every layer: positions, and for this loop the mask and each node's keys
+            parents = trees[b]  # type: ignore[index]
+            start, chain = starts[b], len(new_ids[b]) - len(parents)
+            where, allowed = tree_layout(start, chain, parents)
+            positions[b, : len(where)] = where.to(device)
+            context = torch.arange(start, device=device)
+            node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
+                         for j in range(chain, len(where))] if self.exact_rows and stack is None else []
+            layouts[b] = _Tree(allowed.to(device), node_keys)
         rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
                 for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
@@ -604,12 +610,12 @@ class BatchLlama(LlamaWeights):
         x = self.embed[ids]  # (B, n, D)
         kept: list[torch.Tensor] = []
         rope = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, n, hd)
-        # the same layers in C++ where it applies (bit for bit this loop's results, see specdec.layerloop)
-        stack = layerloop.stack_for(self) if not any(layouts) and (layers is None or layers >= 0) else None
         if stack is not None:
             x, kept = stack.run(x, rope[0], rope[1], [r[0] for r in rows], [r[1] for r in rows],
                                 [int(s) for s in starts], [len(ids) for ids in new_ids], [int(m) for m in n_logits],
-                                -1 if layers is None else layers, [int(c) for c in capture])
+                                -1 if layers is None else layers, [int(c) for c in capture],
+                                [[int(a) for a in trees[b]] if b in tree_rows else []  # type: ignore[index]
+                                 for b in range(len(slots))] if tree_rows else [])
         else:
             for i, w in enumerate(self.layers[:layers]):
                 x = x + self._attention(i, self._norm(x, w["in_norm"]), rope, rows)

@@ -1,7 +1,8 @@
 """The lean Llama path's layer loop in C++ (src/specdec/kernels/step.cpp, built with `specdec.qgemm`).
 
 `BatchLlama.forward_fused` runs its layers through here where it can (`stack_for`): the CPU,
-float32 activations (float32 weights, or 4-bit ones on any kernel), rows without token trees.
+float32 activations (float32 weights, or 4-bit ones on any kernel), token trees where each of their queries
+attends alone (`exact_rows`, one pending token before the tree: a verification pass).
 The C++ loop computes what the Python loop computes, in the same order and on the same shapes:
 the same ATen operations, the same small kernels of the extension (`kernels`: RMSNorm and the
 attention of one query, which the Python loop calls too, for float32 on the CPU), and the rotary
@@ -10,7 +11,7 @@ exactly (tested). It removes the interpreter's work around each operation (about
 a layer, 1,500 a SmolLM2 step) and a dozen small operations a layer; where every query attends
 alone and every product is on specdec's block kernels (`Stack.raw`), its layers run on one
 workspace of raw buffers, two ATen calls a layer instead of ~35.
-Token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
+Other token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
 
 SPECDEC_LAYER_LOOP chooses: "auto" (the default: C++ where it applies and the extension builds
 here) or "python" (always the Python loop, e.g. to compare).

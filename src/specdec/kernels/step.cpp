@@ -198,19 +198,23 @@ inline __m256 dot8_keys8(const float* qv, const float* k, int64_t kt, int64_t hd
   return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
 }
 
-// acc (V x 8 floats) = sum over t < end, in key order from 0, of p[t] * v_t (each product rounded, then the sum):
-// add_scaled's arithmetic with the sums held in registers (16 lanes a register where the CPU has them); returns the
-// weights' total, summed in key order from 0 alongside.
+// acc (V x 8 floats) = sum over t < end, in key order from 0, then over the tail's rows (tail[i] * vt floats into
+// vbase, weights p[end + i]) in order, of p[t] * v_t (each product rounded, then the sum): add_scaled's arithmetic
+// with the sums held in registers (16 lanes a register where the CPU has them); returns the weights' total, summed
+// in the same order alongside. With a tail, the values of keys [0, end) then the tail's are summed exactly as those
+// of one contiguous run of keys in that order.
 template <int V>
-inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_t end, float* acc) {
+inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_t end, const int64_t* tail,
+                          int64_t n_tail, float* acc) {
   float total = 0.0f;
+  const int64_t all = end + n_tail;
 #ifdef __AVX512F__
   static_assert(V % 2 == 0, "16 lanes a register");
   __m512 s[V / 2];
   for (int j = 0; j < V / 2; ++j) s[j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < end; ++t) {
+  for (int64_t t = 0; t < all; ++t) {
     const __m512 w = _mm512_set1_ps(p[t]);
-    const float* v = vbase + t * vt;
+    const float* v = vbase + (t < end ? t : tail[t - end]) * vt;
     for (int j = 0; j < V / 2; ++j) s[j] = _mm512_add_ps(s[j], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * j)));
     total += p[t];
   }
@@ -218,9 +222,9 @@ inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_
 #else
   __m256 s[V];
   for (int j = 0; j < V; ++j) s[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < end; ++t) {
+  for (int64_t t = 0; t < all; ++t) {
     const __m256 w = _mm256_set1_ps(p[t]);
-    const float* v = vbase + t * vt;
+    const float* v = vbase + (t < end ? t : tail[t - end]) * vt;
     for (int j = 0; j < V; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
     total += p[t];
   }
@@ -230,14 +234,17 @@ inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_
 }
 #endif
 
-// One head of one query: q (hd) over keys and values [0, end) (rows kt and vt floats apart) into y (hd). p holds
-// end rounded up to a multiple of 8 floats, its padding -inf; acc hd floats. Every score is dot8's arithmetic; the
-// values are summed in key order (add_scaled's), the weights' total too. Vectorized across keys where hd allows
-// (8 scores at a time, the values' sums in registers) with those very operations: the same bits as one key at a
-// time (tested against a reference of this arithmetic).
+// One head of one query: q (hd) over keys and values [0, end) (rows kt and vt floats apart), then over the n_tail
+// rows listed in tail (a token tree's node: its ancestors and itself, at the slot rows where the pass wrote them),
+// into y (hd). p holds end + n_tail rounded up to a multiple of 8 floats; acc hd floats. Every score is dot8's
+// arithmetic; the values are summed in key order (add_scaled's), the weights' total too. Vectorized across keys
+// where hd allows (8 scores at a time, the values' sums in registers) with those very operations: the same bits as
+// one key at a time (tested against a reference of this arithmetic), and a tail's the same bits as its keys laid
+// out contiguously after `end` (so a tree's node attends as the one-token step at its place would).
 inline void attend_head(const float* qv, const float* kbase, int64_t kt, const float* vbase, int64_t vt, int64_t end,
-                        int64_t hd, float scale, float* p, float* acc, float* y) {
-  const int64_t padded = (end + 7) / 8 * 8;
+                        int64_t hd, float scale, float* p, float* acc, float* y, const int64_t* tail = nullptr,
+                        int64_t n_tail = 0) {
+  const int64_t all = end + n_tail, padded = (all + 7) / 8 * 8;
   float top = -INFINITY;
   int64_t t = 0;
 #ifdef __AVX2__
@@ -254,24 +261,24 @@ inline void attend_head(const float* qv, const float* kbase, int64_t kt, const f
     for (float m : m8) top = std::max(top, m);
   }
 #endif
-  for (; t < end; ++t) {
-    p[t] = dot8(qv, kbase + t * kt, hd) * scale;
+  for (; t < all; ++t) {
+    p[t] = dot8(qv, kbase + (t < end ? t : tail[t - end]) * kt, hd) * scale;
     top = std::max(top, p[t]);
   }
-  for (int64_t t = end; t < padded; ++t) p[t] = -INFINITY;
+  for (int64_t t = all; t < padded; ++t) p[t] = -INFINITY;
   exp_shifted(p, padded, top);
   float total = 0.0f;
 #ifdef __AVX2__
   if (hd == 64) {
-    total = weigh_values<8>(p, vbase, vt, end, acc);
+    total = weigh_values<8>(p, vbase, vt, end, tail, n_tail, acc);
   } else if (hd == 128) {
-    total = weigh_values<16>(p, vbase, vt, end, acc);
+    total = weigh_values<16>(p, vbase, vt, end, tail, n_tail, acc);
   } else
 #endif
   {
-    for (int64_t t = 0; t < end; ++t) total += p[t];
+    for (int64_t t = 0; t < all; ++t) total += p[t];
     std::fill(acc, acc + hd, 0.0f);
-    for (int64_t t = 0; t < end; ++t) add_scaled(acc, vbase + t * vt, p[t], hd);
+    for (int64_t t = 0; t < all; ++t) add_scaled(acc, vbase + (t < end ? t : tail[t - end]) * vt, p[t], hd);
   }
   for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
 }
@@ -423,23 +430,26 @@ class Stack {
                                                            const std::vector<int64_t>& starts,
                                                            const std::vector<int64_t>& n_new,
                                                            const std::vector<int64_t>& scored, int64_t n_layers,
-                                                           const std::vector<int64_t>& capture) const {
+                                                           const std::vector<int64_t>& capture,
+                                                           const std::vector<std::vector<int64_t>>& trees) const {
     const auto rows = static_cast<int64_t>(keys.size());
     TORCH_CHECK(static_cast<int64_t>(values.size()) == rows && static_cast<int64_t>(starts.size()) == rows &&
                     static_cast<int64_t>(n_new.size()) == rows && static_cast<int64_t>(scored.size()) == rows,
                 "one key buffer, value buffer, start, count of new and of scored tokens per row");
     TORCH_CHECK(x.dim() == 3 && x.size(0) == rows, "x must be (rows, n, D)");
+    const Trees tails = tree_tails(trees, starts, n_new, scored);
+    TORCH_CHECK(tails.empty() || all_alone(n_new, scored), "token trees in the C++ loop: every query attends alone");
     const int64_t count = n_layers < 0 ? size() : std::min(n_layers, size());
     std::vector<torch::Tensor> kept;
     c10::InferenceMode guard;
     if (raw_ && all_alone(n_new, scored) && x.is_contiguous() && x.scalar_type() == at::kFloat &&
         cos.stride(3) == 1 && sin_signed.stride(3) == 1)
-      return {run_raw(x, cos, sin_signed, keys, values, starts, n_new, count, capture, kept), kept};
+      return {run_raw(x, cos, sin_signed, keys, values, starts, n_new, tails, count, capture, kept), kept};
     // x is this call's own (the embedding's gather): added to in place until a layer's output is kept
     bool shared = false;
     for (int64_t i = 0; i < count; ++i) {
       const Layer& w = layers_[i];
-      auto a = attention(i, norm(x, w.in_norm), cos, sin_signed, keys, values, starts, n_new, scored);
+      auto a = attention(i, norm(x, w.in_norm), cos, sin_signed, keys, values, starts, n_new, scored, tails);
       x = shared ? x + a : x.add_(a);
       auto m = mlp(x, w);
       x = shared ? x + m : x.add_(m);
@@ -449,15 +459,50 @@ class Stack {
     return {x, kept};
   }
 
+  // Per row, per new token, the slot rows a token tree's node attends to after the row's chain: its ancestors (root
+  // first) and itself; empty for the chain's tokens and rows without a tree. The Python loop's `tree_layout`.
+  using Trees = std::vector<std::vector<std::vector<int64_t>>>;
+
  private:
+  inline static const std::vector<std::vector<int64_t>> kNoTails{};
+
+  // trees: per row, the parents of its token tree (its last len(parents) new tokens; -1 the root), or empty. A tree
+  // row's queries must all attend alone (its chain one token, every token scored), as in a verification pass.
+  Trees tree_tails(const std::vector<std::vector<int64_t>>& trees, const std::vector<int64_t>& starts,
+                   const std::vector<int64_t>& n_new, const std::vector<int64_t>& scored) const {
+    Trees tails;
+    bool any = false;
+    for (const auto& t : trees) any = any || !t.empty();
+    if (!any) return tails;
+    TORCH_CHECK(trees.size() == starts.size(), "one tree (or none) per row");
+    tails.resize(trees.size());
+    for (size_t b = 0; b < trees.size(); ++b) {
+      const auto& parents = trees[b];
+      if (parents.empty()) continue;
+      const auto nodes = static_cast<int64_t>(parents.size()), chain = n_new[b] - nodes;
+      TORCH_CHECK(exact_rows_ && chain == 1 && scored[b] >= n_new[b],
+                  "a token tree in the C++ loop: a chain of one token, every query scored alone");
+      auto& rt = tails[b];
+      rt.assign(static_cast<size_t>(n_new[b]), {});
+      const int64_t base = starts[b] + chain;  // node j was written at slot row base + j
+      for (int64_t j = 0; j < nodes; ++j) {
+        TORCH_CHECK(parents[j] < j && parents[j] >= -1, "a tree's parent comes before its child");
+        std::vector<int64_t> path;
+        for (int64_t a = j; a >= 0; a = parents[a]) path.push_back(base + a);
+        rt[chain + j].assign(path.rbegin(), path.rend());
+      }
+    }
+    return tails;
+  }
+
   // `run` where every query attends alone and every product writes into a buffer (`raw_`): the same operations
   // on the same values (RMSNorm and the products into buffers, the attention through `attend_alone`, the residual
   // adds in place, SiLU and its product through ATen on views of the buffers), without a tensor a layer: one
   // workspace for every layer.
   torch::Tensor run_raw(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                        const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new, int64_t count,
-                        const std::vector<int64_t>& capture, std::vector<torch::Tensor>& kept) const {
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new, const Trees& tails,
+                        int64_t count, const std::vector<int64_t>& capture, std::vector<torch::Tensor>& kept) const {
     const int64_t rows = x.size(0), n = x.size(1), D = x.size(2), T = rows * n;
     const int64_t width = (n_heads_ + 2 * n_kv_) * head_dim_, heads = n_heads_ * head_dim_;
     const int64_t inner = count > 0 ? layers_[0].down.in_features : 0;
@@ -480,7 +525,7 @@ class Stack {
       rms_norm_into(px, w.in_norm.data_ptr<float>(), h, T, D, eps_);
       w.qkv.into(h, T, qkv);
       if (rows > 1) std::fill(att, att + T * heads, 0.0f);  // padding positions (as `attention_alone`'s zeros)
-      attend_alone(i, qkv, rows, n, cos, sin_signed, keys, values, starts, n_new, qbuf, att);
+      attend_alone(i, qkv, rows, n, cos, sin_signed, keys, values, starts, n_new, tails, qbuf, att);
       w.o.into(att, T, y);
       for (int64_t j = 0; j < T * D; ++j) px[j] += y[j];
       rms_norm_into(px, w.post_norm.data_ptr<float>(), h, T, D, eps_);
@@ -548,7 +593,7 @@ class Stack {
   torch::Tensor attention_alone(int64_t i, const torch::Tensor& h, const torch::Tensor& cos,
                                 const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                                 const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-                                const std::vector<int64_t>& n_new) const {
+                                const std::vector<int64_t>& n_new, const Trees& tails) const {
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, Hq = n_heads_;
     const Layer& w = layers_[i];
     const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width)
@@ -556,7 +601,7 @@ class Stack {
                 "attention_alone: float32, dense rotary rows");
     auto qbuf = at::empty({rows, n, Hq, hd}, qkv.options());
     auto out = rows > 1 ? at::zeros({rows, n, Hq, hd}, qkv.options()) : at::empty({rows, n, Hq, hd}, qkv.options());
-    attend_alone(i, qkv.data_ptr<float>(), rows, n, cos, sin_signed, keys, values, starts, n_new,
+    attend_alone(i, qkv.data_ptr<float>(), rows, n, cos, sin_signed, keys, values, starts, n_new, tails,
                  qbuf.data_ptr<float>(), out.data_ptr<float>());
     return w.o.mm(out.view({rows, n, Hq * hd}));
   }
@@ -568,7 +613,7 @@ class Stack {
   void attend_alone(int64_t i, const float* src, int64_t rows, int64_t n, const torch::Tensor& cos,
                     const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-                    const std::vector<int64_t>& n_new, float* qd, float* od) const {
+                    const std::vector<int64_t>& n_new, const Trees& tails, float* qd, float* od) const {
     const int64_t hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
     const int64_t width = (Hq + 2 * Hkv) * hd;
     const float* pc = cos.data_ptr<float>();
@@ -580,6 +625,8 @@ class Stack {
       int64_t kt, vt, kh, vh, end;
       const float* q;
       float* y;
+      const int64_t* tail;  // a tree node's ancestors and itself (slot rows), after keys [0, end)
+      int64_t n_tail;
     };
     std::vector<Item> items;
     int64_t longest = 0;
@@ -591,6 +638,9 @@ class Stack {
       float* vd = vb.data_ptr<float>() + i * vb.stride(0);
       const int64_t kh = kb.stride(1), kt = kb.stride(2);
       const int64_t vh = vb.stride(1), vt = vb.stride(2);
+      const auto& rt = tails.empty() ? kNoTails : tails[b];  // per new token: its tail (empty: causal)
+      int64_t chain = 0;  // a tree row's chain: its new tokens before the first node
+      while (chain < static_cast<int64_t>(rt.size()) && rt[chain].empty()) ++chain;
       for (int64_t t = 0; t < n_new[b]; ++t) {
         const float* x = src + (b * n + t) * width;
         const float* c = pc + b * cb + t * ct;
@@ -601,10 +651,13 @@ class Stack {
                     head < Hq ? qd + ((b * n + t) * Hq + head) * hd : kd + (head - Hq) * kh + pos * kt);
         for (int64_t head = 0; head < Hkv; ++head)
           std::copy(x + (Hq + Hkv + head) * hd, x + (Hq + Hkv + head + 1) * hd, vd + head * vh + pos * vt);
+        const bool node = t < static_cast<int64_t>(rt.size()) && !rt[t].empty();
+        const int64_t end = node ? starts[b] + chain : pos + 1;  // a node: the cache and the chain, then its tail
+        const int64_t n_tail = node ? static_cast<int64_t>(rt[t].size()) : 0;
         for (int64_t head = 0; head < Hq; ++head)
-          items.push_back(Item{kd, vd, kt, vt, kh, vh, pos + 1, qd + ((b * n + t) * Hq + head) * hd,
-                               od + ((b * n + t) * Hq + head) * hd});
-        longest = std::max(longest, pos + 1);
+          items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
+                               od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail});
+        longest = std::max(longest, end + n_tail);
       }
     }
     const int64_t group = Hq / Hkv, padded = (longest + 7) / 8 * 8;
@@ -618,7 +671,7 @@ class Stack {
         const Item& it = items[j];
         const int64_t kv = (j % Hq) / group;  // items run over the query heads of each query in order
         attend_head(it.q, it.keys + kv * it.kh, it.kt, it.values + kv * it.vh, it.vt, it.end, hd, scale, p.data(),
-                    acc.data(), it.y);
+                    acc.data(), it.y, it.tail, it.n_tail);
       }
     });
   }
@@ -626,8 +679,8 @@ class Stack {
   torch::Tensor attention(int64_t i, const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin_signed,
                           const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                           const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new,
-                          const std::vector<int64_t>& scored) const {
-    if (all_alone(n_new, scored)) return attention_alone(i, h, cos, sin_signed, keys, values, starts, n_new);
+                          const std::vector<int64_t>& scored, const Trees& tails) const {
+    if (all_alone(n_new, scored)) return attention_alone(i, h, cos, sin_signed, keys, values, starts, n_new, tails);
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_;
     const Layer& w = layers_[i];
     auto heads = w.qkv.mm(h).view({rows, n, -1, hd}).transpose(1, 2);  // (B, Hq + 2 Hkv, n, hd)
@@ -693,5 +746,6 @@ void register_step(pybind11::module& m) {
                              "whether its layers run on buffers where every query attends alone (run_raw)")
       .def("run", &Stack::run, py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),
            py::arg("values"), py::arg("starts"), py::arg("n_new"), py::arg("scored"), py::arg("n_layers"),
-           py::arg("capture"), py::call_guard<py::gil_scoped_release>());
+           py::arg("capture"), py::arg("trees") = std::vector<std::vector<int64_t>>{},
+           py::call_guard<py::gil_scoped_release>());
 }

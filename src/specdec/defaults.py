@@ -52,6 +52,7 @@ def attention_block_floor(position: int, chunk: int) -> int:
 TEMPERATURE = 1.0
 TOP_P = 1.0
 MAX_NEW_TOKENS = 128
+MAX_BRANCHES = 8  # the most children a node of a grown draft tree may have (`load(branches=...)`, --branches)
 SAMPLING_RULE = (f"defaults everywhere (CLI, API, server): temperature {TEMPERATURE:g}, top-p {TOP_P:g}, "
                  f"no top-k, at most {MAX_NEW_TOKENS} new tokens; temperature 0 is greedy")
 

@@ -121,6 +121,7 @@ class SpeculativeDecoder:
         self.multi = multi
         # MiB of prompt prefixes' keys and values its engines keep for later requests (0: none; specdec.prefix)
         self.prefix_cache_mb = 0.0
+        self.branches = 1  # > 1: an eagle grows a token tree each round, up to this many children a node
         self.eos_token_ids = set(eos_token_ids)
         self._feature_readers = [d for d in self.prophets if d.reads_features]
         if self._feature_readers and not target.offers_hidden:

@@ -590,12 +590,11 @@ class BatchLlama(LlamaWeights):
         positions = torch.tensor(list(starts), device=device)[:, None] + torch.arange(n, device=device)  # (B, n)
         # the same layers in C++ where it applies (bit for bit this loop's results, see specdec.layerloop): token
         # trees too where each of their queries attends alone (a verification pass: a chain of one pending token)
-        tree_rows = [b for b, t in enumerate(trees or []) if t]
-        in_cpp = not tree_rows or (self.exact_rows and all(
-            len(new_ids[b]) - len(trees[b]) == 1 and n_logits[b] >= len(new_ids[b]) for b in tree_rows))  # type: ignore[index]
+        tree_of = {b: list(t) for b, t in enumerate(trees or []) if t}  # rows with a tree: its parents
+        in_cpp = not tree_of or (self.exact_rows and all(
+            len(new_ids[b]) - len(t) == 1 and n_logits[b] >= len(new_ids[b]) for b, t in tree_of.items()))
         stack = layerloop.stack_for(self) if in_cpp and (layers is None or layers >= 0) else None
-        for b in tree_rows:  # laid out once for every layer: positions, and for this loop the mask and each node's keys
-            parents = trees[b]  # type: ignore[index]
+        for b, parents in tree_of.items():  # laid out once for every layer: positions, for this loop the mask and keys
             start, chain = starts[b], len(new_ids[b]) - len(parents)
             where, allowed = tree_layout(start, chain, parents)
             positions[b, : len(where)] = where.to(device)
@@ -614,8 +613,7 @@ class BatchLlama(LlamaWeights):
             x, kept = stack.run(x, rope[0], rope[1], [r[0] for r in rows], [r[1] for r in rows],
                                 [int(s) for s in starts], [len(ids) for ids in new_ids], [int(m) for m in n_logits],
                                 -1 if layers is None else layers, [int(c) for c in capture],
-                                [[int(a) for a in trees[b]] if b in tree_rows else []  # type: ignore[index]
-                                 for b in range(len(slots))] if tree_rows else [])
+                                [tree_of.get(b, []) for b in range(len(slots))] if tree_of else [])
         else:
             for i, w in enumerate(self.layers[:layers]):
                 x = x + self._attention(i, self._norm(x, w["in_norm"]), rope, rows)

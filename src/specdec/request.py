@@ -32,6 +32,8 @@ class Request:
     sampling: str = "rejection"  # or "coupled": draws keyed by (seed, position) (specdec.sampling)
     # running tokens per round of each prophet whose drafts were verified for it (multi="best")
     recent: dict[str, float] = field(default_factory=dict)
+    # its grown draft trees' record, decayed: [tokens expected beyond the round's last, drafted tokens accepted]
+    tree_fit: list[float] = field(default_factory=lambda: [0.0, 0.0])
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length", "context", or "error" (see `error`)
     error: str | None = None  # why the engine refused this request (the others in its step go on)

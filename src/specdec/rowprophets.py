@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specdec.branching import TreeBudget, draw_gains, fit_scale
 from specdec.policy import best_first
 from specdec.prophets.base import Prophet
 from specdec.prophets.eagle3 import Eagle3Runtime
@@ -223,6 +224,9 @@ class NgramBatchProphet(LookupBatchProphet):
         return index
 
 
+Node = tuple[int, int, torch.Tensor, int, float]  # a tree node to grow: row, node, feature before it, token, chance
+
+
 class FeatureBatchProphet:
     """A feature prophet (specdec.prophets.feature: eagle or medusa, sharing its heads) for
     every row at once. A row drafts from the target's feature at its last committed
@@ -232,9 +236,11 @@ class FeatureBatchProphet:
 
     reads_features = True
 
-    def __init__(self, prophet: FeatureProphet) -> None:
+    def __init__(self, prophet: FeatureProphet, branches: int = 1) -> None:
         self.prophet, self.name = prophet, prophet.name
         self.vocab_size = int(prophet.vocab_size or 0)
+        # > 1: an eagle grows a token tree per row, up to this many children a node (propose_trees)
+        self.branches = branches if prophet.head.kind == "eagle" else 1
 
     def room(self, req: Request) -> int:
         return 1 << 30
@@ -245,7 +251,13 @@ class FeatureBatchProphet:
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         """Greedy rows take the argmax over the draft vocabulary (q one-hot: nothing over the
-        full vocabulary is built for them); sampled rows sample from q, kept for the verifier."""
+        full vocabulary is built for them); sampled rows sample from q, kept for the verifier.
+        With branches: a token tree per row (`propose_trees`)."""
+        return self.propose_trees(reqs, ks) if self.branches > 1 else self.propose_chains(reqs, ks)
+
+    @torch.inference_mode()
+    def propose_chains(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """`propose` without branches: a chain per row (what the step costs measure per draft step)."""
         p = self.prophet
         rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -286,6 +298,131 @@ class FeatureBatchProphet:
             last = torch.tensor(picked, device=h0.device)
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
+
+    @torch.inference_mode()
+    def propose_trees(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """A token tree per row, grown depth by depth up to the row's K (EAGLE-2's dynamic
+        trees; `specdec.branching` says how far): where the target's choice is deterministic
+        (greedy or coupled rows) each kept node offers its q's top `branches` tokens (one-hot
+        proposals, exact whatever is chosen); where the row samples, up to `branches`
+        independent draws from q, each kept with its q (recursive rejection sampling: exact as
+        long as no drawn child is dropped). The first node is always drafted (the row's policy
+        chose to draft); every other joins while it pays by the row's costs."""
+        p = self.prophet
+        who = f"prophet '{self.name}'"
+        trees = [DraftTree() for _ in reqs]
+        chains: list[dict[str, list[int]]] = [{} for _ in reqs]
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        budgets = {b: TreeBudget(_row_costs(reqs[b]), self.name) for b in rows}
+        scale = {b: fit_scale(reqs[b].tree_fit) for b in rows}
+        # the nodes to expand (row, node, the feature guessed before it, its token, its chance)
+        frontier = [(b, -1, reqs[b].feature.to(p.dtype), reqs[b].context[-1], 1.0) for b in rows]  # type: ignore[union-attr]
+        depth = 0
+        while frontier:
+            depth += 1
+            h = torch.stack([f[2] for f in frontier])
+            last = torch.tensor([f[3] for f in frontier], device=h.device)
+            # each row's nodes computed apart from other rows' where products are not rows-invariant
+            alone = [] if p.rows_invariant else [i for i, f in enumerate(frontier) if not _batch_free(reqs[f[0]])]
+            g, sub = _guess(p, h, h, last, depth, alone) if not alone else _guess_by_row(p, h, last, depth, frontier)
+            check_logits(sub, who)
+            grown: list[Node] = []
+            for b in dict.fromkeys(f[0] for f in frontier):
+                grown += self._grow_row(reqs[b], trees[b], budgets[b], scale[b], b, depth, frontier, g, sub)
+            # the next depth expands each row's likeliest new nodes (at most `branches`), within its K
+            frontier = []
+            for b in dict.fromkeys(f[0] for f in grown):
+                if depth < ks[b]:
+                    frontier += sorted((f for f in grown if f[0] == b), key=lambda f: -f[4])[: self.branches]
+        for b in rows:
+            tree = trees[b]
+            tree.expected = budgets[b].expected
+            if tree.tokens:  # its longest path: what the row's policy counts as drafted
+                deepest = max(range(len(tree.tokens)), key=lambda n: (_depth(tree.parents, n), -n))
+                path: list[int] = []
+                while deepest >= 0:
+                    path.insert(0, tree.tokens[deepest])
+                    deepest = tree.parents[deepest]
+                chains[b][self.name] = path
+        names: list[str | None] = [self.name if trees[b].tokens else None for b in range(len(reqs))]
+        return BatchDraft([[] for _ in reqs], None, names, trees=trees, chains=chains)
+
+    def _grow_row(self, req: Request, tree: DraftTree, budget: TreeBudget, scale: float, b: int, depth: int,
+                  frontier: Sequence[Node], g: torch.Tensor,
+                  sub: torch.Tensor) -> list[Node]:
+        """One depth of one row's tree: the children its frontier nodes offer, in order of chance,
+        while they pay. Returns the new nodes (as frontier entries)."""
+        p, width = self.prophet, self.branches
+        mine = sorted((i for i, f in enumerate(frontier) if f[0] == b), key=lambda i: -frontier[i][4])
+        deterministic = req.params.greedy or req.params.coupled is not None
+        q_all = torch.softmax(sub[mine].float(), -1) if req.params.greedy else \
+            _probs_by_params(sub[mine][:, None], [req] * len(mine), f"prophet '{self.name}'")[:, 0]
+        new: list[Node] = []
+        first_here = True
+        if deterministic:  # every node's top tokens, likeliest first across the depth
+            offers = []
+            for n, i in enumerate(mine):
+                conf, idx = q_all[n].topk(min(width, q_all.shape[-1]))
+                for c, j in zip(conf.tolist(), idx.tolist(), strict=True):
+                    offers.append((frontier[i][4] * min(1.0, scale * c), i, int(p.vocab_ids[j])))
+            for s, i, token in sorted(offers, key=lambda o: -o[0]):
+                if tree.tokens and not budget.pays(s, new_step=first_here):
+                    break
+                node = tree.child(frontier[i][1], token)
+                tree.proposals.append((frontier[i][1], node, None, self.name))
+                budget.add(s, new_step=first_here)
+                first_here = False
+                new.append((b, node, g[i], token, s))
+            return new
+        for n, i in enumerate(mine):  # a sampled row: draws from each node's q while they pay
+            q = q_all[n]
+            q_full = torch.zeros(self.vocab_size, device=q.device)
+            q_full.index_copy_(-1, p.vocab_ids, q.float())
+            for gain, fresh in draw_gains(q, width):
+                s = frontier[i][4] * min(1.0, scale * gain)
+                if tree.tokens and not budget.pays(s, new_step=first_here, nodes=fresh):
+                    break
+                token = draw(q, req.params, req.generator, req.length + depth - 1, p.vocab_ids, self.vocab_size)
+                known = len(tree.tokens)
+                node = tree.child(frontier[i][1], token)
+                tree.proposals.append((frontier[i][1], node, q_full, self.name))
+                budget.expected += s
+                budget.steps += 1 if first_here else 0
+                first_here = False
+                if node == known:  # a token not drawn here before: a node to score and grow
+                    budget.nodes += 1
+                    new.append((b, node, g[i], token, frontier[i][4] * min(1.0, scale * _q_of(q, p.vocab_ids, token))))
+        return new
+
+
+def _q_of(q: torch.Tensor, ids: torch.Tensor, token: int) -> float:
+    """q's probability (over the draft vocabulary `ids`) of a full-vocabulary token."""
+    where = (ids == token).nonzero()
+    return float(q[where[0, 0]]) if len(where) else 0.0
+
+
+def _depth(parents: Sequence[int], node: int) -> int:
+    d = 0
+    while node >= 0:
+        d, node = d + 1, parents[node]
+    return d
+
+
+def _row_costs(req: Request) -> Any:
+    """The costs a row's policy weighs (set by the engine each step), or None."""
+    return getattr(req.policy, "costs", None) if req.policy is not None else None
+
+
+def _guess_by_row(p: FeatureProphet, h: torch.Tensor, last: torch.Tensor, j: int,
+                  frontier: Sequence[tuple[Any, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_guess` with each row's nodes computed together and apart from other rows'."""
+    groups: dict[int, list[int]] = {}
+    for i, f in enumerate(frontier):
+        groups.setdefault(f[0], []).append(i)
+    parts = list(groups.values())
+    gs = [p.guess(h[part], h[part], last[part], j) for part in parts]
+    rows = [i for part in parts for i in part]
+    return in_row_order(rows, gs), in_row_order(rows, [p.draft_logits(x) for x in gs])
 
 
 def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Tensor, j: int,
@@ -461,20 +598,36 @@ class FirstBatchProphet:
         names: list[str | None] = [None] * len(reqs)
         one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
         q_rows: dict[int, torch.Tensor] = {}
+        grown: dict[int, tuple[DraftTree, dict[str, list[int]]]] = {}  # rows a branching prophet drafted a tree for
         orders = [self._order(r) for r in reqs]
         # Rank by rank: a row asks its rank-th prophet only while nothing earlier proposed.
         for rank, part in ((rank, part) for rank in range(len(self.parts)) for part in self.parts):
-            part_ks = [0 if tokens[b] or not k or orders[b][rank] != part.name else min(k, budget(r, part.name))
-                       for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
+            part_ks = [0 if tokens[b] or b in grown or not k or orders[b][rank] != part.name else
+                       min(k, budget(r, part.name)) for b, (r, k) in enumerate(zip(reqs, ks, strict=True))]
             if not any(part_ks):
                 continue
             got = part.propose(reqs, part_ks)
+            if got.trees is not None and got.chains is not None:
+                for b, tree in enumerate(got.trees):
+                    if tree.tokens and part_ks[b]:
+                        grown[b], names[b] = (tree, got.chains[b]), part.name
+                continue
             for b, t in enumerate(got.tokens):
                 if t and not tokens[b]:
                     tokens[b], names[b] = t, part.name
                     if got.probs is not None and not (got.one_hot and got.one_hot[b]):
                         one_hot[b] = False
                         q_rows[b] = got.probs[b, : len(t)]
+        if grown:  # every row's draft as a tree: the grown ones, the others' chains
+            trees = [DraftTree() for _ in reqs]
+            chains: list[dict[str, list[int]]] = [{} for _ in reqs]
+            for b, t in enumerate(tokens):
+                if b in grown:
+                    trees[b], chains[b] = grown[b]
+                elif t:
+                    trees[b].add_chain(t, q_rows.get(b), names[b] or "")
+                    chains[b] = {names[b] or "": t}
+            return BatchDraft([[] for _ in reqs], None, names, trees=trees, chains=chains)
         if not q_rows:
             return BatchDraft(tokens, None, names)
         k_max = max(len(t) for t in tokens)

@@ -92,6 +92,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)  # (N,) parent node, -1 = root
     proposals: list[tuple[int, int, torch.Tensor | None, str]] = field(default_factory=list)
     # (parent, node, draft_probs (V,) or None, prophet name), in the order they are tried
+    expected: float = 0.0  # tokens its prophet expected the tree to yield (a grown tree's; 0: not estimated)
 
     def child(self, parent: int, token: int) -> int:
         """The node for `token` under `parent`, created if new."""

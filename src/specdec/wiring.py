@@ -472,7 +472,7 @@ def _new_engine(decoder: Any, slots: int) -> Any:
         elif isinstance(d, LayerSkipProphet) and d.target is decoder.target:  # layerskip, kangaroo
             parts.append(EarlyExitBatchProphet(target, d))
         elif isinstance(d, FeatureProphet):
-            parts.append(FeatureBatchProphet(d))
+            parts.append(FeatureBatchProphet(d, branches=getattr(decoder, "branches", 1)))
         elif isinstance(d, Eagle3Prophet) and lean:
             parts.append(Eagle3BatchProphet(d.runtime.view(slots)))
         elif isinstance(d, ModelProphet) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy

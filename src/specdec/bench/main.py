@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def load_runner(configs: list[Config], settings: dict[str, Any], target: str | N
         if cfg.kind == "ours":
             draft = cfg.draft if cfg.as_given else _draft_spec(cfg.draft, prophet)
             dec = load(target, draft=draft, policy=cfg.policy, draft_tokens=(cfg.k or None) if cfg.as_given else cfg.k,
-                       dtype=dtype, multi=cfg.multi, device=device)
+                       dtype=dtype, multi=cfg.multi, device=device, branches=cfg.branches)
             runner.decoders[cfg.name] = dec
             plain = plain or dec
     assert plain is not None, "the configurations need plain decoding as the baseline"
@@ -249,7 +250,8 @@ def run_bench(args: Any) -> dict[str, Any]:
 
     if getattr(args, "suite", None) == "spec-bench":
         return run_specbench(args)
-    for flag, attr in (("--questions", "questions"), ("--per-task", "per_task"), ("--draft", "draft")):
+    for flag, attr in (("--questions", "questions"), ("--per-task", "per_task"), ("--draft", "draft"),
+                       ("--branches", "branches")):
         if getattr(args, attr, None) is not None:
             raise SpecdecError(f"{flag} goes with --suite spec-bench (the other suites choose prophets with "
                                "--configs and --prophet)")
@@ -359,15 +361,30 @@ def specbench_questions(path: str | None, per_task: int) -> list[BenchPrompt]:
     return chosen
 
 
-def specbench_configs(target: str, drafts: list[str]) -> list[Config]:
+def specbench_configs(target: str, drafts: list[str], branches: Sequence[int] = (1,)) -> list[Config]:
     """Plain decoding twice (the second run of the same configuration is the noise) and, for
     every --draft, the decoder specdec.load(target, draft) gives with its own defaults
-    (auto policy, the target's K, auto multi): "default" is the target's shipped prophets."""
+    (auto policy, the target's K, auto multi): "default" is the target's shipped prophets;
+    each once per --branches value (1: chains)."""
     out = [Config("plain", "ours"), Config("plain (again)", "ours")]
     for spec in drafts:
         name = f"default ({display_name(default_prophet_for(target))})" if spec == "default" else display_name(spec)
-        out.append(Config(name, "ours", spec, "auto", k=0, multi="auto", as_given=True))
+        for n in branches:
+            out.append(Config(name if n == 1 else f"{name}, branches {n}", "ours", spec, "auto", k=0, multi="auto",
+                              as_given=True, branches=n))
     return out
+
+
+def parse_branches(text: str | None) -> list[int]:
+    """--branches for spec-bench: a comma list of integers 1..MAX_BRANCHES (default "1")."""
+    from specdec.api import check_branches
+
+    try:
+        values = [int(v) for v in (text or "1").split(",") if v.strip()]
+        return [check_branches(v) for v in values] or [1]
+    except ValueError as e:
+        raise SpecdecError(f"--branches: {e}" if "branches" in str(e) else
+                           f"--branches takes a comma list of integers, not {text!r}") from None
 
 
 def _specbench_result(mode: str, settings: dict[str, Any], configs: list[Config], runs: list[Run], tasks: list[str],
@@ -409,7 +426,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
     t0, load = time.perf_counter(), OtherLoad()
     target = args.target or default_target()
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
-    configs = specbench_configs(target, args.draft or ["default"]) + peer_configs
+    configs = specbench_configs(target, args.draft or ["default"], parse_branches(getattr(args, "branches", None))) \
+        + peer_configs
     from specdec.wiring import resolve_dtype
 
     runner = load_runner(configs, {}, target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),

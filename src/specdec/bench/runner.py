@@ -31,6 +31,7 @@ class Config:
     policy: str = "fixed"
     k: int = 4
     multi: str = "tree"
+    branches: int = 1  # specdec.load's branches (> 1: an eagle grows token trees)
     # draft, policy, K and multi go to specdec.load as a user passes them, K 0 meaning load's own
     # default, so that draft "default" is the target's shipped prophets (not the bench's --prophet)
     as_given: bool = False

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from specdec import load
 from specdec.server import ServerConfig, create_app
@@ -358,6 +359,40 @@ def test_token_trees_and_int8_copies_are_rows_of_batched_steps(tiny_pair, spec, 
         assert [g["choices"][0]["text"] for g in got] == want
         steps, rows = _step_sizes(c)
         assert rows > steps  # some steps scored several requests' rows
+
+
+def test_grown_trees_are_rows_of_batched_steps(tiny_pair, tiny_eagle, monkeypatch):
+    """--branches: an eagle's grown trees (every node pays here, up to 6) beside prompt lookup's
+    chains in the server's batched steps; each concurrent answer is plain decoding's."""
+    import concurrent.futures
+
+    from specdec.batch import BatchEngine
+    from specdec.branching import TreeBudget
+
+    monkeypatch.setattr(TreeBudget, "pays", lambda self, s, new_step=False, nodes=1.0: self.nodes < 6)
+    wide = []  # trees of several nodes the server's steps scored
+    tree_step = BatchEngine._tree_step
+
+    def counted(self, active, draft, d0, d1):
+        wide.extend(len(t.tokens) for t in draft.trees if len(t.tokens) > 1)
+        return tree_step(self, active, draft, d0, d1)
+
+    monkeypatch.setattr(BatchEngine, "_tree_step", counted)
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", branches=3, policy="fixed", draft_tokens=3,
+               draft_dtype=torch.float32)
+    prompts = ["def f(", "import os\n", "class A:", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
+    want = [plain_text(dec, p, 16) for p in prompts]
+    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=4, warm_up=False))) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+
+        def one(p):
+            return c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0}).json()
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, prompts))
+        assert [g["choices"][0]["text"] for g in got] == want
+        steps, rows = _step_sizes(c)
+        assert rows > steps and wide
 
 
 def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):

@@ -4,9 +4,11 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec.certify import goodness_of_fit
-from specdec.verify import DraftTree, residual, verify_chain, verify_tree
+from specdec.verify import DraftTree, residual, verify_chain, verify_greedy_tree, verify_tree
 
 BIG = 30.0
 
@@ -96,6 +98,22 @@ def test_tree_second_child_accepted_after_first_rejected():
     v = verify_tree(tree, p, torch.Generator().manual_seed(0))
     assert [tree.tokens[n] for n in v.path] == [3, 4]
     assert (v.next_token, v.next_kind, v.accepted_by) == (2, "bonus", ["b", "b"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=4),
+       st.lists(st.integers(0, 4), min_size=17, max_size=17))
+def test_a_greedy_tree_verdict_is_verify_trees_on_one_hot_rows(chains, picks):
+    """verify_greedy_tree (following the target's choices) gives verify_tree's verdict on one-hot
+    p, for any tree of up to 4 chains (shared nodes, repeated proposals) and any choices."""
+    tree = DraftTree()
+    for i, chain in enumerate(chains):
+        tree.add_chain(chain, None, f"p{i}")
+    choices = picks[: len(tree.tokens) + 1]
+    want = verify_tree(tree, torch.stack([one_hotish(c) for c in choices]), torch.Generator().manual_seed(0))
+    got = verify_greedy_tree(tree, choices)
+    assert (got.path, got.next_token, got.next_kind, got.accepted_by) == \
+        (want.path, want.next_token, want.next_kind, want.accepted_by)
 
 
 def test_tree_shares_nodes_but_keeps_both_proposals():

@@ -65,7 +65,7 @@ from specdec.rowprophets import (
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
-from specdec.verify import verify_tree
+from specdec.verify import verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
@@ -267,9 +267,13 @@ class BatchEngine:
         events = []
         for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
             n, at = len(tree.tokens), r.length  # at: the root's position
-            p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
-            p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions
-            verdict = verify_tree(tree, p, r.generator)
+            if r.params.greedy:  # p one-hot on the target's choices: follow them (no probabilities)
+                check_logits(logits[b, : n + 1], f"target '{self.target.name}'")
+                verdict = verify_greedy_tree(tree, logits[b, : n + 1].argmax(-1).tolist())
+            else:
+                p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
+                p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions
+                verdict = verify_tree(tree, p, r.generator)
             self.target.keep_path(_slot(r), at, verdict.path)
             path = [tree.tokens[node] for node in verdict.path]
             for name, chain in draft.chains[b].items():  # a draft model's cache: what agrees with the path

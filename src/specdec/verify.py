@@ -156,3 +156,28 @@ def verify_tree(
         # (or at the root of an empty tree, which is a plain decoding step).
         kind: NextKind = "recovered" if tried else "bonus"
         return TreeVerdict(path, int(sample(p, generator)), kind, accepted_by)
+
+
+def verify_greedy_tree(tree: DraftTree, choices: list[int]) -> TreeVerdict:
+    """`verify_tree` where p is one-hot (greedy, or a coupled draw): choices[i] is the target's
+    token at row i (0: the root, i + 1: after node i). From the root, move to the child whose
+    token is the choice while there is one; the round ends on the choice there (recovered where
+    the node had proposals, bonus at a leaf). No probabilities, no random numbers: the same
+    verdict as `verify_tree` on one-hot rows, whose every test is then certain."""
+    path: list[int] = []
+    accepted_by: list[str] = []
+    node = -1
+    while True:
+        want = choices[node + 1]
+        tried = False
+        for parent, child, _, name in tree.proposals:
+            if parent != node:
+                continue
+            tried = True
+            if tree.tokens[child] == want:
+                path.append(child)
+                accepted_by.append(name)
+                node = child
+                break
+        else:
+            return TreeVerdict(path, want, "recovered" if tried else "bonus", accepted_by)

@@ -14,7 +14,7 @@ from specdec.branching import FIT_RANGE, TreeBudget, draw_gains, fit_scale
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
 from specdec.request import Request
-from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, NgramBatchProphet
+from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, NgramBatchProphet, TreeBatchProphet
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
@@ -61,20 +61,26 @@ class TreeMarkovBatch(MarkovBatch):
         self.tokens[slot] = self.tokens[slot][:base] + [nodes[node] for node in path]
 
 
-def tree_engine(branches: int = 3, with_ngram: bool = False) -> tuple[BatchEngine, MarkovLM]:
+def tree_engine(branches: int = 3, with_ngram: str = "") -> tuple[BatchEngine, MarkovLM]:
+    """with_ngram: "first" (lookup where it matches, the eagle's tree elsewhere) or "tree" (lookup's
+    chain and the eagle's tree merged into one tree), else the eagle alone."""
     target, _ = markov_models()
     # seed 2: an eagle whose q is spread enough that independent draws often differ (wide trees)
     eagle = FeatureBatchProphet(toy_prophet(target, "eagle", (0, 1, 3), seed=2), branches=branches)
-    prophet = FirstBatchProphet([NgramBatchProphet(2), eagle]) if with_ngram else eagle
-    return BatchEngine(TreeMarkovBatch(target, SLOTS), prophet), target
+    prophet: object = eagle
+    if with_ngram == "first":
+        prophet = FirstBatchProphet([NgramBatchProphet(2), eagle])
+    elif with_ngram == "tree":
+        prophet = TreeBatchProphet([NgramBatchProphet(2), eagle])
+    return BatchEngine(TreeMarkovBatch(target, SLOTS), prophet), target  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("with_ngram", [False, True])
+@pytest.mark.parametrize("with_ngram", ["", "first", "tree"])
 def test_every_row_drafting_grown_trees_matches_the_exact_distribution(with_ngram, monkeypatch):
     """Rows of mixed temperatures, top-k and top-p, each drafting trees of up to 3 children a node
-    (independent draws from q; every draw pays here, up to 6 nodes), alone or after prompt
-    lookup: each row's tokens follow the target's exact distribution (chi-square, alpha 0.001),
-    and trees of several nodes were really scored."""
+    (independent draws from q; every draw pays here, up to 6 nodes), alone, after prompt lookup
+    or merged with its chain: each row's tokens follow the target's exact distribution
+    (chi-square, alpha 0.001), and trees of several nodes were really scored."""
     monkeypatch.setattr(TreeBudget, "pays", lambda self, s, new_step=False, nodes=1.0: self.nodes < 6)
     engine, target = tree_engine(3, with_ngram)
     requests = [Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N) for k, s in ROWS]
@@ -165,6 +171,11 @@ def test_branches_on_a_real_eagle_stay_greedy_equal_and_bad_values_are_refused(t
     assert max(sizes) > 3
     batched = dec.generate_many([{"prompt": p, "max_new_tokens": 20, "temperature": 0} for p in prompts])
     assert [g.token_ids for g in batched] == want
+    merged = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", multi="tree", branches=4,
+                  draft_dtype=torch.float32, policy="fixed", draft_tokens=3)  # lookup's chain in the eagle's tree
+    for prompt, w in zip(prompts, want, strict=True):
+        got = merged.generate(prompt, max_new_tokens=20, temperature=0)
+        assert got.token_ids == w and max(e.tree_size for e in got.events) > 3
     for bad in (0, 9, 2.0, True, "4"):
         with pytest.raises(ValueError, match="branches must be an integer from 1"):
             load(tiny_pair["target"], draft="none", branches=bad)

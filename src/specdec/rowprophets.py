@@ -640,10 +640,11 @@ class FirstBatchProphet:
 
 
 class TreeBatchProphet:
-    """Several prophets, every one drafting for each row (`multi="tree"`): a row's chains are
-    merged into one token tree (`specdec.verify.DraftTree`), scored in one pass with a tree
-    mask and verified by recursive rejection sampling (`verify_tree`), exact at every
-    temperature: each chain was drawn independently of the others, from its own q."""
+    """Several prophets, every one drafting for each row (`multi="tree"`): a row's chains (and a
+    branching eagle's grown tree) are merged into one token tree (`specdec.verify.DraftTree`),
+    scored in one pass with a tree mask and verified by recursive rejection sampling
+    (`verify_tree`), exact at every temperature: each was drawn independently of the others,
+    from its own q."""
 
     def __init__(self, parts: Sequence[LookupBatchProphet | FeatureBatchProphet | ModelBatchProphet]) -> None:
         if len({p.name for p in parts}) < len(parts):
@@ -669,6 +670,12 @@ class TreeBatchProphet:
             if not any(part_ks):
                 continue
             got = part.propose(reqs, part_ks)
+            if got.trees is not None and got.chains is not None:  # a branching eagle's grown trees
+                for b, grown in enumerate(got.trees):
+                    if grown.tokens:
+                        trees[b].graft(grown)
+                        chains[b][part.name] = got.chains[b].get(part.name, [])
+                continue
             for b, t in enumerate(got.tokens):
                 if t:
                     one_hot = bool(got.one_hot and got.one_hot[b])  # its q is one-hot on its tokens

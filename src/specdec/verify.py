@@ -103,6 +103,14 @@ class DraftTree:
         self.parents.append(parent)
         return len(self.tokens) - 1
 
+    def graft(self, other: DraftTree) -> None:
+        """Add another tree's proposals (in its order), its nodes merged with these where the
+        same token follows the same path."""
+        where = {-1: -1}  # other's node -> this tree's
+        for parent, node, q, name in other.proposals:
+            where[node] = self.child(where[parent], other.tokens[node])
+            self.proposals.append((where[parent], where[node], q, name))
+
     def add_chain(self, tokens: list[int], probs: torch.Tensor | None, name: str) -> None:
         """Add one prophet's chain. probs (len(tokens), V) or None."""
         parent = -1

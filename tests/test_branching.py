@@ -179,3 +179,27 @@ def test_branches_on_a_real_eagle_stay_greedy_equal_and_bad_values_are_refused(t
     for bad in (0, 9, 2.0, True, "4"):
         with pytest.raises(ValueError, match="branches must be an integer from 1"):
             load(tiny_pair["target"], draft="none", branches=bad)
+
+
+def test_grown_trees_that_stayed_chains_take_the_chain_path():
+    """as_chains: a step's grown trees that are all chains become the chain draft they are (q kept
+    for sampled rows, one-hot for deterministic ones, each tree's expectation carried for its
+    request's record); a branching tree, or a multi-prophet tree (no names), stays a tree."""
+    from specdec.batch import as_chains
+    from specdec.rowprophets import BatchDraft
+    from specdec.verify import DraftTree
+
+    q = torch.tensor([0.5, 0.3, 0.2])
+    sampled, greedy, branching = DraftTree(), DraftTree(), DraftTree()
+    sampled.add_chain([2, 0], torch.stack([q, q.flip(0)]), "eagle")
+    greedy.add_chain([1, 1, 2], None, "eagle")
+    sampled.expected, greedy.expected = 1.4, 2.1
+    got = as_chains(BatchDraft([[], []], None, ["eagle", "eagle"], trees=[sampled, greedy], chains=[{}, {}]))
+    assert got is not None and got.tokens == [[2, 0], [1, 1, 2]] and got.one_hot == [False, True]
+    assert got.probs is not None and torch.equal(got.probs[0, :2], torch.stack([q, q.flip(0)]))
+    assert got.expected == [1.4, 2.1]
+    branching.add_chain([1, 2], None, "eagle")
+    branching.add_chain([1, 0], None, "eagle")
+    assert as_chains(BatchDraft([[], []], None, ["eagle", "eagle"], trees=[sampled, branching], chains=[{}, {}])) \
+        is None
+    assert as_chains(BatchDraft([[]], None, None, trees=[greedy], chains=[{}])) is None

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specdec.branching import FIT_DECAY
+from specdec.branching import record_fit
 from specdec.costmodel import (
     Costs,
     clamp_acceptance,
@@ -65,7 +65,7 @@ from specdec.rowprophets import (
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
-from specdec.verify import verify_greedy_tree, verify_tree
+from specdec.verify import DraftTree, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
@@ -100,6 +100,34 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], greedy_logits.argmax(-1))
     return RaggedVerdict(*(in_row_order(greedy + rest, [getattr(chosen, f), getattr(sampled, f)])
                            for f in ("n_accepted", "next_tokens", "bonus")))
+
+
+def is_chain(tree: DraftTree) -> bool:
+    """Whether a tree is one chain: one proposal a node, each node the last one's child (or empty)."""
+    return tree.parents == list(range(-1, len(tree.tokens) - 1)) and len(tree.proposals) == len(tree.tokens)
+
+
+def as_chains(draft: BatchDraft) -> BatchDraft | None:
+    """Grown trees (one prophet's, `names` set) that are all chains (one proposal a node, each
+    node the last one's child) as the chain draft they are, else None. The same verdicts either
+    way: a chain verified by rejection sampling is a one-proposal tree's recursive test."""
+    trees = draft.trees
+    if trees is None or draft.names is None or not all(is_chain(tree) for tree in trees):
+        return None
+    qs = [[q for _, _, q, _ in tree.proposals] for tree in trees]
+    one_hot = [all(q is None for q in row) for row in qs]
+    if any(not oh and any(q is None for q in row) for row, oh in zip(qs, one_hot, strict=True)):
+        return None  # a row mixing one-hot and sampled proposals
+    probs = None
+    if not all(one_hot):
+        k = max(len(t.tokens) for t in trees)
+        first = next(q for row in qs for q in row if q is not None)
+        probs = torch.zeros(len(trees), k, first.shape[-1], device=first.device)
+        for b, row in enumerate(qs):
+            if not one_hot[b]:
+                probs[b, : len(row)] = torch.stack(row)  # type: ignore[arg-type]
+    return BatchDraft([list(t.tokens) for t in trees], probs, draft.names, one_hot,
+                      expected=[t.expected for t in trees])
 
 
 def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], BatchDraft]:
@@ -182,7 +210,10 @@ class BatchEngine:
         lens = [len(t) for t in draft.tokens]
         d1 = time.perf_counter()
         if draft.trees is not None:
-            return refused + self._tree_step(active, draft, d0, d1)
+            chains = as_chains(draft)  # grown trees that stayed chains take the chain path (batched verification)
+            if chains is None:
+                return refused + self._tree_step(active, draft, d0, d1)
+            draft, lens = chains, [len(t) for t in chains.tokens]
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
@@ -197,6 +228,8 @@ class BatchEngine:
         names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
         events = []
         for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
+            if draft.expected and draft.expected[b]:  # a grown tree that stayed a chain
+                record_fit(r.tree_fit, draft.expected[b], v.n_accepted)
             events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
             events[-1].spans = self.last_spans
             self._keep_feature(events[-1], hidden, b, v.n_accepted)
@@ -258,15 +291,42 @@ class BatchEngine:
         """Steps 3-5 with a token tree per row: one target pass scores each row's pending
         tokens then its tree (nodes at chain end + depth, each seeing its ancestors only);
         each row's tree is verified by recursive rejection sampling; the accepted path's
-        cache entries move next to the committed ones."""
+        cache entries move next to the committed ones. A grown tree that stayed a chain is
+        scored and verified as the chain it is (`as_chains`), so a row's round never depends
+        on whether the rows beside it branched."""
         assert draft.trees is not None and draft.chains is not None
         trees = draft.trees
+        chained = [b for b, tree in enumerate(trees) if draft.names is not None and is_chain(tree)]
         starts = [r.target_cached for r in active]  # each row's first position in the pass
-        logits, hidden = self._score(active, [t.tokens for t in trees], [t.parents for t in trees])
+        scored_as = [[] if b in chained else t.parents for b, t in enumerate(trees)]
+        logits, hidden = self._score(active, [t.tokens for t in trees], scored_as)
+        as_chain: dict[int, Any] = {}
+        if chained:  # those rows' chains, verified together as the chain step verifies
+            sub = as_chains(BatchDraft([[] for _ in chained], None, [draft.names[b] for b in chained],  # type: ignore[index]
+                                       trees=[trees[b] for b in chained], chains=[{} for _ in chained]))
+            assert sub is not None
+            k_max = max(len(t) for t in sub.tokens)
+            tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in sub.tokens], dtype=torch.long,
+                                  device=logits.device).reshape(len(chained), k_max)
+            rows = [active[b] for b in chained]
+            probs = None if sub.probs is None else sub.probs[:, :k_max]
+            verdicts = _verdict(logits[chained][:, : k_max + 1], rows, tokens, [len(t) for t in sub.tokens], probs,
+                                sub.one_hot, f"target '{self.target.name}'")
+            as_chain = dict(zip(chained, verdicts.rows(), strict=True))
         share = self._timed(len(active), d0, d1)
         events = []
         for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
             n, at = len(tree.tokens), r.length  # at: the root's position
+            if b in as_chain:
+                v = as_chain[b]
+                record_fit(r.tree_fit, tree.expected, v.n_accepted)
+                e = self._commit(r, list(tree.tokens), v.n_accepted, v.next_token, v.next_kind, draft.names[b],  # type: ignore[index]
+                                 share)
+                e.spans = self.last_spans
+                self._keep_feature(e, hidden, b, v.n_accepted)
+                self._keep_fused(r, b, starts[b])
+                events.append(e)
+                continue
             if r.params.greedy:  # p one-hot on the target's choices: follow them (no probabilities)
                 check_logits(logits[b, : n + 1], f"target '{self.target.name}'")
                 verdict = verify_greedy_tree(tree, logits[b, : n + 1].argmax(-1).tolist())
@@ -281,7 +341,7 @@ class BatchEngine:
                     r.draft_cached[name] = min(r.draft_cached[name], at + common_prefix(chain, path))
             k = max((len(c) for c in draft.chains[b].values()), default=0)
             if tree.expected:  # a grown tree: how well its prophet's expectation held, for the request's next ones
-                r.tree_fit[:] = [FIT_DECAY * r.tree_fit[0] + tree.expected - 1.0, FIT_DECAY * r.tree_fit[1] + len(path)]
+                record_fit(r.tree_fit, tree.expected, len(path))
             # a grown tree (or a chain beside grown trees) is its prophet's evidence; multi tree's merged chains TREE's
             who = (draft.names[b] if draft.names else None) or TREE
             e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, who if n else None, share,

@@ -31,6 +31,12 @@ FIT_RANGE = (0.25, 1.5)  # how far a request's record scales its prophet's confi
 FIT_DECAY = 0.9  # each round, a request's record of past trees keeps this much of its weight
 
 
+def record_fit(fit: list[float], expected: float, accepted: int) -> None:
+    """A grown tree's round, into a request's record (`Request.tree_fit`, decayed by FIT_DECAY):
+    the tokens its prophet expected beyond the round's last (expected - 1), those accepted."""
+    fit[:] = [FIT_DECAY * fit[0] + expected - 1.0, FIT_DECAY * fit[1] + accepted]
+
+
 def fit_scale(fit: tuple[float, float] | list[float]) -> float:
     """The factor on a prophet's confidences from a request's past trees: (observed accepted
     tokens + prior) / (expected + prior), within FIT_RANGE. fit = [expected, observed]."""

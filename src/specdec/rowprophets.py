@@ -42,6 +42,7 @@ class BatchDraft:
     # and each row's chains by prophet (a draft model's cache keeps what agrees with the path)
     trees: list[DraftTree] | None = None
     chains: list[dict[str, list[int]]] | None = None
+    expected: list[float] | None = None  # grown trees taken as chains: the tokens each row's tree expected
 
     def cut(self, ks: Sequence[int]) -> BatchDraft:
         return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)

@@ -330,11 +330,13 @@ class FeatureBatchProphet:
             grown: list[Node] = []
             for b in dict.fromkeys(f[0] for f in frontier):
                 grown += self._grow_row(reqs[b], trees[b], budgets[b], scale[b], b, depth, frontier, g, sub)
-            # the next depth expands each row's likeliest new nodes (at most `branches`), within its K
+            # the next depth expands each row's likeliest new nodes (at most `branches`), within its K,
+            # unless even a sure child of its likeliest could not pay for the drafting step (then none is drafted)
             frontier = []
             for b in dict.fromkeys(f[0] for f in grown):
-                if depth < ks[b]:
-                    frontier += sorted((f for f in grown if f[0] == b), key=lambda f: -f[4])[: self.branches]
+                best = sorted((f for f in grown if f[0] == b), key=lambda f: -f[4])[: self.branches]
+                if depth < ks[b] and budgets[b].pays(best[0][4], new_step=True):
+                    frontier += best
         for b in rows:
             tree = trees[b]
             tree.expected = budgets[b].expected

@@ -179,6 +179,8 @@ def test_branches_on_a_real_eagle_stay_greedy_equal_and_bad_values_are_refused(t
     for bad in (0, 9, 2.0, True, "4"):
         with pytest.raises(ValueError, match="branches must be an integer from 1"):
             load(tiny_pair["target"], draft="none", branches=bad)
+    with pytest.raises(ValueError, match="has none: add one"):  # no eagle to grow trees from
+        load(tiny_pair["target"], draft="ngram", branches=4)
 
 
 def test_grown_trees_that_stayed_chains_take_the_chain_path():

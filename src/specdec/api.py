@@ -106,6 +106,10 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target_lm = wrap(model, target_name, vocab, backend)
     prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype,
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
+    if branches > 1 and not any(getattr(getattr(p, "head", None), "kind", None) == "eagle" for p in prophets):
+        raise ValueError(f"branches={branches} grows an eagle prophet's drafts into trees, and draft={draft!r} "
+                         "has none: add one (e.g. draft='default' for smollm2, or models/smollm2-eagle) or leave "
+                         "branches 1")
     decoder = SpeculativeDecoder(target_lm, prophets, tokenizer, make_policy(policy, draft_tokens),
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))
     decoder.prefix_cache_mb = prefix_mb

@@ -342,9 +342,14 @@ def test_stop_strings_on_the_batched_path_match_the_library(server, decoder):
 def test_token_trees_and_int8_copies_are_rows_of_batched_steps(tiny_pair, spec, multi):
     """Every prophet kind runs batched in the server (once served round-robin): concurrent
     requests share steps, each answer plain decoding's."""
+    _served_together(load(tiny_pair["target"], draft=spec.format(**tiny_pair), multi=multi, draft_tokens=3))
+
+
+def _served_together(dec) -> None:
+    """Four concurrent greedy requests to a server of dec: each answer plain decoding's, and some
+    steps scored several requests' rows."""
     import concurrent.futures
 
-    dec = load(tiny_pair["target"], draft=spec.format(**tiny_pair), multi=multi, draft_tokens=3)
     prompts = ["def f(", "import os\n", "class A:", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
     want = [plain_text(dec, p, 16) for p in prompts]
     with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=4, warm_up=False))) as url, \
@@ -358,14 +363,12 @@ def test_token_trees_and_int8_copies_are_rows_of_batched_steps(tiny_pair, spec, 
             got = list(pool.map(one, prompts))
         assert [g["choices"][0]["text"] for g in got] == want
         steps, rows = _step_sizes(c)
-        assert rows > steps  # some steps scored several requests' rows
+        assert rows > steps
 
 
 def test_grown_trees_are_rows_of_batched_steps(tiny_pair, tiny_eagle, monkeypatch):
     """--branches: an eagle's grown trees (every node pays here, up to 6) beside prompt lookup's
     chains in the server's batched steps; each concurrent answer is plain decoding's."""
-    import concurrent.futures
-
     from specdec.batch import BatchEngine
     from specdec.branching import TreeBudget
 
@@ -378,21 +381,9 @@ def test_grown_trees_are_rows_of_batched_steps(tiny_pair, tiny_eagle, monkeypatc
         return tree_step(self, active, draft, d0, d1)
 
     monkeypatch.setattr(BatchEngine, "_tree_step", counted)
-    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", branches=3, policy="fixed", draft_tokens=3,
-               draft_dtype=torch.float32)
-    prompts = ["def f(", "import os\n", "class A:", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
-    want = [plain_text(dec, p, 16) for p in prompts]
-    with serve_in_thread(create_app(dec, "tiny", ServerConfig(max_batch=4, warm_up=False))) as url, \
-            httpx.Client(base_url=url, timeout=60) as c:
-
-        def one(p):
-            return c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0}).json()
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(one, prompts))
-        assert [g["choices"][0]["text"] for g in got] == want
-        steps, rows = _step_sizes(c)
-        assert rows > steps and wide
+    _served_together(load(tiny_pair["target"], draft=f"ngram+{tiny_eagle}", branches=3, policy="fixed",
+                          draft_tokens=3, draft_dtype=torch.float32))
+    assert wide
 
 
 def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):

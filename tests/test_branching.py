@@ -205,3 +205,15 @@ def test_grown_trees_that_stayed_chains_take_the_chain_path():
     assert as_chains(BatchDraft([[], []], None, ["eagle", "eagle"], trees=[sampled, branching], chains=[{}, {}])) \
         is None
     assert as_chains(BatchDraft([[]], None, None, trees=[greedy], chains=[{}])) is None
+
+
+def test_a_multi_tree_gives_each_prophet_its_own_k(tiny_pair):
+    """--multi tree with the auto policy: each prophet's chain in the tree is as long as its own
+    evidence pays (prompt lookup, right on a repeating prompt, drafts longer chains than a far
+    draft model beside it); the tokens stay plain decoding's."""
+    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_pair['far']}", multi="tree", draft_tokens=6)
+    prompt = "x = [1, 2, 3]\n" * 6
+    got = dec.generate(prompt, max_new_tokens=40, temperature=0)
+    assert got.token_ids == dec.plain().generate(prompt, max_new_tokens=40, temperature=0).token_ids
+    lengths = [e.proposals for e in got.events if getattr(e, "proposals", None)]
+    assert any(p.get("ngram", 0) > max(2, p.get("far", 0)) for p in lengths), lengths

@@ -131,6 +131,20 @@ def test_every_policy_says_what_acceptance_it_has_seen():
     assert optimal.acceptance() < before
 
 
+def test_a_trees_chains_pass_a_pause_once_a_round():
+    """Two prophets' chains of one tree round observed one by one (the second as the same round):
+    a third prophet's pause counts the round once."""
+    costs = Costs(1.0, {1: 1.0, 2: 1.04, 3: 1.1, 5: 1.6}, 0.05, t_draft_by={"a": 0.0, "b": 0.0, "c": 0.3})
+    policy = auto(costs)
+    while (k := policy.next_k("c")) > 0:  # c never pays: it pauses for 4 rounds
+        policy.observe(RoundOutcome(k, 0, 0.0, 0.0, 1, "c"))
+    assert policy.evidence["c"].pause == 4
+    policy.observe(RoundOutcome(2, 2, 0.0, 0.0, 0, "a"))
+    policy.observe(RoundOutcome(2, 1, 0.0, 0.0, 0, "b", same_round=True))
+    assert policy.evidence["c"].pause == 3
+    assert policy.acceptance("a") > policy.acceptance("b")
+
+
 def test_a_prophet_that_never_pays_is_probed_once_per_pause_at_the_cheapest_k_and_pauses_double():
     """The default must not lose to plain decoding: a prophet whose drafts are never accepted
     costs a few cheap probes, each pause twice as long as the last (it was stuck at 4 rounds

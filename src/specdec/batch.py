@@ -342,10 +342,14 @@ class BatchEngine:
             k = max((len(c) for c in draft.chains[b].values()), default=0)
             if tree.expected:  # a grown tree: how well its prophet's expectation held, for the request's next ones
                 record_fit(r.tree_fit, tree.expected, len(path))
-            # a grown tree (or a chain beside grown trees) is its prophet's evidence; multi tree's merged chains TREE's
+            # a grown tree (or a chain beside grown trees) is its prophet's evidence; multi tree's merged chains
+            # each their prophet's where the row's policy keeps evidence per prophet (the tokens of the accepted
+            # path its chain agrees with), else TREE's
             who = (draft.names[b] if draft.names else None) or TREE
+            each = {name: (len(c), common_prefix(c, path)) for name, c in draft.chains[b].items() if c} \
+                if who == TREE and r.policy is not None and r.policy.per_prophet else None
             e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, who if n else None, share,
-                             n_drafted=k)
+                             n_drafted=k, each=each)
             e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
             e.prophet = "+".join(e.proposals) if n else None
@@ -362,9 +366,14 @@ class BatchEngine:
         the others (a lookup is free, a feature prophet's batched step nearly so)."""
         if self.prophet is None:
             return BatchDraft([[] for _ in active], None)
-        if isinstance(self.prophet, TreeBatchProphet):  # a tree per row, K from the row's policy
-            ks = [self._draft_budget(r, TREE) for r in active]
-            return self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
+        if isinstance(self.prophet, TreeBatchProphet):  # a tree per row: each prophet's chain of its own K
+            ks = [self._draft_budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
+                  for r in active]
+
+            def own(r: Request, name: str) -> int:  # a prophet's K where the row's policy keeps one per prophet
+                return self._draft_budget(r, name) if r.policy is not None and r.policy.per_prophet else 10**9
+
+            return self.prophet.propose(active, ks, own) if any(ks) else BatchDraft([[] for _ in active], None)
         skip: set[str] = set()
         if costs is not None:
             self._costed_steps += 1
@@ -777,11 +786,12 @@ class BatchEngine:
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
                 prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
-                n_drafted: int | None = None) -> StepEvent:
+                n_drafted: int | None = None, each: dict[str, tuple[int, int]] | None = None) -> StepEvent:
         """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context;
         the row's policy observes the round (n_drafted: the K it drafted, default
         len(drafted); a tree's accepted path is shorter) with the row's share of the step's
-        draft and target time."""
+        draft and target time; each: a tree's chains by prophet, (drafted, accepted) each,
+        observed as that prophet's rounds instead."""
         before = req.length
         for token in [*drafted[:n_accepted], next_token]:
             req.generated.append(token)
@@ -792,13 +802,15 @@ class BatchEngine:
         n_drafted = len(drafted) if n_drafted is None else n_drafted
         if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
             observe_recent(req.recent, prophet, n_accepted)
-        if n_drafted and prophet is not None:
-            pooled = self._pooled.setdefault(prophet, [0.0, 0.0])
-            pooled[0] = pooled[0] * POOL_DECAY + min(n_drafted, n_accepted + 1)
-            pooled[1] = pooled[1] * POOL_DECAY + n_accepted
-        if req.policy is not None and self.prophet is not None:
-            req.policy.observe(RoundOutcome(n_drafted, n_accepted, share[0], share[1], 1 if n_drafted else 0,
-                                            prophet if n_drafted else None))
+        rounds = list(each.items()) if each else [(prophet, (n_drafted, n_accepted))]
+        for i, (name, (k, accepted)) in enumerate(rounds):
+            if k and name is not None:
+                pooled = self._pooled.setdefault(name, [0.0, 0.0])
+                pooled[0] = pooled[0] * POOL_DECAY + min(k, accepted + 1)
+                pooled[1] = pooled[1] * POOL_DECAY + accepted
+            if req.policy is not None and self.prophet is not None:
+                req.policy.observe(RoundOutcome(k, accepted, share[0], share[1], 1 if k else 0,
+                                                name if k else None, same_round=i > 0))
         # The caches hold the drafted tokens too: valid only up to the last accepted one.
         req.target_cached = min(req.target_cached, before + n_accepted)
         req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}

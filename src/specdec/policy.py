@@ -33,6 +33,8 @@ class RoundOutcome:
     target_s: float
     draft_calls: int
     prophet: str | None = None  # the prophet whose draft was verified ("a+b" for a tree), None: a plain step
+    # another prophet's part of a round already observed (a tree's chains, each its prophet's evidence)
+    same_round: bool = False
 
 
 def check_k(k: object) -> int:
@@ -44,6 +46,7 @@ def check_k(k: object) -> int:
 class Policy:
     name = "fixed"
     needs_costs = False  # True: the decoder measures its costs once (calibrate) and sets .costs
+    per_prophet = False  # True: K and evidence per prophet (a tree's chains are observed one by one)
     costs: Costs | None = None
 
     def __init__(self, k: int = 5) -> None:
@@ -185,6 +188,7 @@ class AutoPolicy(Policy):
 
     name = "auto"
     needs_costs = True
+    per_prophet = True
 
     # break_even above 1: the stored costs are minimums measured on a short placeholder
     # context, and real rounds came out ~4% dearer than predicted (SmolLM2 int4, eagle rounds
@@ -236,7 +240,8 @@ class AutoPolicy(Policy):
 
     def observe(self, outcome: RoundOutcome) -> None:
         key = (outcome.prophet or "*") if outcome.drafted else None
-        for name, other in self.evidence.items():  # a round passes for every pausing prophet but the prophet
+        for name, other in self.evidence.items() if not outcome.same_round else ():
+            # a round passes (once) for every pausing prophet but the one that drafted
             if name != key and other.pause > 0:
                 other.pause -= 1
                 if other.pause == 0:  # the pause ends: what it showed weighs less against the next rounds

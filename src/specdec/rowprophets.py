@@ -663,12 +663,16 @@ class TreeBatchProphet:
         for p in self.parts:
             p.prefill(reqs)
 
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
-        """ks: each row's K for its tree (every prophet the row may use drafts up to it)."""
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int],
+                budget: Callable[[Request, str], int] | None = None) -> BatchDraft:
+        """ks: each row's largest K; budget(req, prophet name): that prophet's K for the row (its
+        policy's, where it keeps one per prophet; 0 where the row may not use it); without a
+        budget every prophet the row may use drafts up to ks."""
         trees = [DraftTree() for _ in reqs]
         chains: list[dict[str, list[int]]] = [{} for _ in reqs]
         for part in self.parts:
-            part_ks = [k if r.prophets is None or part.name in r.prophets else 0
+            part_ks = [0 if r.prophets is not None and part.name not in r.prophets else
+                       k if budget is None else min(k, budget(r, part.name))
                        for r, k in zip(reqs, ks, strict=True)]
             if not any(part_ks):
                 continue

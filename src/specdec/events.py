@@ -25,7 +25,7 @@ class RoundEvent:
     end: float
     draft_spans: list[tuple[float, float]] = field(default_factory=list)
     target_span: tuple[float, float] = (0.0, 0.0)
-    tree_size: int = 0  # nodes scored when several prophets proposed a tree
+    tree_size: int = 0  # nodes scored in a token tree (several prophets' chains, or an eagle's grown tree)
     accepted_by: list[str] = field(default_factory=list)  # prophet of each accepted token
     proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per prophet
     text: str = ""  # text released to a stream this round

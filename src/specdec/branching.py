@@ -74,8 +74,9 @@ class TreeBudget:
         later = self.time(self.nodes + max(1, round(nodes)), steps)
         return (self.expected + s) / later > self.expected / now
 
-    def add(self, s: float, new_step: bool = False) -> None:
-        self.nodes += 1
+    def add(self, s: float, new_step: bool = False, node: bool = True) -> None:
+        """A proposal of chance s joins (a new node unless `node` is False: a repeated draw)."""
+        self.nodes += 1 if node else 0
         self.expected += s
         if new_step:
             self.steps += 1

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specdec.branching import TreeBudget, draw_gains, fit_scale
+from specdec.lm import tree_depths
 from specdec.policy import best_first
 from specdec.prophets.base import Prophet
 from specdec.prophets.eagle3 import Eagle3Runtime
@@ -299,7 +300,6 @@ class FeatureBatchProphet:
             last = torch.tensor(picked, device=h0.device)
         return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
-
     @torch.inference_mode()
     def propose_trees(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         """A token tree per row, grown depth by depth up to the row's K (EAGLE-2's dynamic
@@ -341,7 +341,8 @@ class FeatureBatchProphet:
             tree = trees[b]
             tree.expected = budgets[b].expected
             if tree.tokens:  # its longest path: what the row's policy counts as drafted
-                deepest = max(range(len(tree.tokens)), key=lambda n: (_depth(tree.parents, n), -n))
+                depths = tree_depths(tree.parents)
+                deepest = max(range(len(tree.tokens)), key=lambda n: (depths[n], -n))
                 path: list[int] = []
                 while deepest >= 0:
                     path.insert(0, tree.tokens[deepest])
@@ -389,11 +390,9 @@ class FeatureBatchProphet:
                 known = len(tree.tokens)
                 node = tree.child(frontier[i][1], token)
                 tree.proposals.append((frontier[i][1], node, q_full, self.name))
-                budget.expected += s
-                budget.steps += 1 if first_here else 0
+                budget.add(s, new_step=first_here, node=node == known)  # a repeated draw: no new node
                 first_here = False
                 if node == known:  # a token not drawn here before: a node to score and grow
-                    budget.nodes += 1
                     new.append((b, node, g[i], token, frontier[i][4] * min(1.0, scale * _q_of(q, p.vocab_ids, token))))
         return new
 
@@ -402,13 +401,6 @@ def _q_of(q: torch.Tensor, ids: torch.Tensor, token: int) -> float:
     """q's probability (over the draft vocabulary `ids`) of a full-vocabulary token."""
     where = (ids == token).nonzero()
     return float(q[where[0, 0]]) if len(where) else 0.0
-
-
-def _depth(parents: Sequence[int], node: int) -> int:
-    d = 0
-    while node >= 0:
-        d, node = d + 1, parents[node]
-    return d
 
 
 def _row_costs(req: Request) -> Any:

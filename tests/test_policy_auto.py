@@ -131,6 +131,15 @@ def test_every_policy_says_what_acceptance_it_has_seen():
     assert optimal.acceptance() < before
 
 
+def test_a_prophets_own_chain_costs_in_a_tree():
+    """Costs.alone: a tree's costs (width 2: every prophet's chain in the pass) as one prophet's
+    chain weighs it, cached; width-1 costs are themselves."""
+    tree = Costs(1.0, {1: 1.0, 3: 1.2, 5: 1.6, 9: 2.4}, 0.05, width=2)
+    assert tree.round_time(2) == pytest.approx(2 * 0.05 + 1.6)
+    assert tree.alone().round_time(2) == pytest.approx(2 * 0.05 + 1.2) and tree.alone() is tree.alone()
+    assert tree.alone().alone() is tree.alone()
+
+
 def test_a_trees_chains_pass_a_pause_once_a_round():
     """Two prophets' chains of one tree round observed one by one (the second as the same round):
     a third prophet's pause counts the round once."""

@@ -682,7 +682,10 @@ class BatchEngine:
                 if self.row_costs is None:
                     self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
                 base = self.row_costs
-            r.policy.costs = base.for_params(r.params.greedy).at(r.length)  # type: ignore[union-attr]
+            own = base.for_params(r.params.greedy).at(r.length)
+            # a tree's prophets each choose their own K (per-prophet policies): each weighs its own chain
+            tree_k = isinstance(self.prophet, TreeBatchProphet) and r.policy.per_prophet  # type: ignore[union-attr]
+            r.policy.costs = own.alone() if tree_k else own  # type: ignore[union-attr]
         # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
         return self._costs[bucket].for_params(all(r.params.greedy for r in active)).at(
             max(r.length for r in active))

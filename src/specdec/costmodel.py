@@ -13,7 +13,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -186,6 +186,16 @@ class Costs:
                                   mix(self.t_draft_by, long.t_draft_by), mix(self.t_call_by, long.t_call_by),
                                   None, bucket)
         return cache[bucket]
+
+    def alone(self) -> Costs:
+        """These costs for one prophet's chain (width 1): in a token tree each prophet's K is
+        weighed by its own chain, the others' riding in the same pass by their own choices."""
+        if self.width == 1:
+            return self
+        cache = self.__dict__.get("_alone")
+        if cache is None:
+            cache = self.__dict__["_alone"] = replace(self, width=1)
+        return cache  # type: ignore[no-any-return]
 
     def verify_time(self, n: int) -> float:
         """Seconds to score n tokens: linear between the measured sizes, and past the

@@ -183,37 +183,20 @@ def test_branches_on_a_real_eagle_stay_greedy_equal_and_bad_values_are_refused(t
         load(tiny_pair["target"], draft="ngram", branches=4)
 
 
-def test_grown_trees_that_stayed_chains_take_the_chain_path():
-    """as_chains: a step's grown trees that are all chains become the chain draft they are (q kept
-    for sampled rows, one-hot for deterministic ones, each tree's expectation carried for its
-    request's record); a branching tree, or a multi-prophet tree (no names), stays a tree."""
-    from specdec.batch import as_chains
-    from specdec.rowprophets import BatchDraft
+def test_grown_trees_that_stayed_chains_are_the_chain_draft_they_are():
+    """chain_draft: chain-shaped grown trees as a chain draft (q kept for sampled rows, one-hot
+    for deterministic ones); is_chain tells a chain from a branching tree."""
+    from specdec.batch import chain_draft, is_chain
     from specdec.verify import DraftTree
 
     q = torch.tensor([0.5, 0.3, 0.2])
     sampled, greedy, branching = DraftTree(), DraftTree(), DraftTree()
     sampled.add_chain([2, 0], torch.stack([q, q.flip(0)]), "eagle")
     greedy.add_chain([1, 1, 2], None, "eagle")
-    sampled.expected, greedy.expected = 1.4, 2.1
-    got = as_chains(BatchDraft([[], []], None, ["eagle", "eagle"], trees=[sampled, greedy], chains=[{}, {}]))
-    assert got is not None and got.tokens == [[2, 0], [1, 1, 2]] and got.one_hot == [False, True]
-    assert got.probs is not None and torch.equal(got.probs[0, :2], torch.stack([q, q.flip(0)]))
-    assert got.expected == [1.4, 2.1]
+    tokens, probs, one_hot = chain_draft([sampled, greedy])
+    assert tokens == [[2, 0], [1, 1, 2]] and one_hot == [False, True]
+    assert probs is not None and torch.equal(probs[0, :2], torch.stack([q, q.flip(0)]))
     branching.add_chain([1, 2], None, "eagle")
     branching.add_chain([1, 0], None, "eagle")
-    assert as_chains(BatchDraft([[], []], None, ["eagle", "eagle"], trees=[sampled, branching], chains=[{}, {}])) \
-        is None
-    assert as_chains(BatchDraft([[]], None, None, trees=[greedy], chains=[{}])) is None
-
-
-def test_a_multi_tree_gives_each_prophet_its_own_k(tiny_pair):
-    """--multi tree with the auto policy: each prophet's chain in the tree is as long as its own
-    evidence pays (prompt lookup, right on a repeating prompt, drafts longer chains than a far
-    draft model beside it); the tokens stay plain decoding's."""
-    dec = load(tiny_pair["target"], draft=f"ngram+{tiny_pair['far']}", multi="tree", draft_tokens=6)
-    prompt = "x = [1, 2, 3]\n" * 6
-    got = dec.generate(prompt, max_new_tokens=40, temperature=0)
-    assert got.token_ids == dec.plain().generate(prompt, max_new_tokens=40, temperature=0).token_ids
-    lengths = [e.proposals for e in got.events if getattr(e, "proposals", None)]
-    assert any(p.get("ngram", 0) > max(2, p.get("far", 0)) for p in lengths), lengths
+    assert is_chain(sampled) and is_chain(greedy) and is_chain(DraftTree()) and not is_chain(branching)
+    assert chain_draft([greedy])[1] is None

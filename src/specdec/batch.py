@@ -65,7 +65,7 @@ from specdec.rowprophets import (
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
-from specdec.verify import DraftTree, verify_greedy_tree, verify_tree
+from specdec.verify import DraftTree, Verdict, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
@@ -107,27 +107,21 @@ def is_chain(tree: DraftTree) -> bool:
     return tree.parents == list(range(-1, len(tree.tokens) - 1)) and len(tree.proposals) == len(tree.tokens)
 
 
-def as_chains(draft: BatchDraft) -> BatchDraft | None:
-    """Grown trees (one prophet's, `names` set) that are all chains (one proposal a node, each
-    node the last one's child) as the chain draft they are, else None. The same verdicts either
-    way: a chain verified by rejection sampling is a one-proposal tree's recursive test."""
-    trees = draft.trees
-    if trees is None or draft.names is None or not all(is_chain(tree) for tree in trees):
-        return None
+def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tensor | None, list[bool]]:
+    """One prophet's grown trees that are chains (`is_chain`) as the chain draft they are: each
+    row's tokens, q (B, K, V) for the rows that sampled them (else None) and which rows' q is
+    one-hot. The same verdicts either way: a chain verified by rejection sampling is a
+    one-proposal tree's recursive test."""
     qs = [[q for _, _, q, _ in tree.proposals] for tree in trees]
-    one_hot = [all(q is None for q in row) for row in qs]
-    if any(not oh and any(q is None for q in row) for row, oh in zip(qs, one_hot, strict=True)):
-        return None  # a row mixing one-hot and sampled proposals
+    one_hot = [all(q is None for q in row) for row in qs]  # a grown row's proposals are all one kind
     probs = None
     if not all(one_hot):
-        k = max(len(t.tokens) for t in trees)
         first = next(q for row in qs for q in row if q is not None)
-        probs = torch.zeros(len(trees), k, first.shape[-1], device=first.device)
+        probs = torch.zeros(len(trees), max(len(t.tokens) for t in trees), first.shape[-1], device=first.device)
         for b, row in enumerate(qs):
             if not one_hot[b]:
                 probs[b, : len(row)] = torch.stack(row)  # type: ignore[arg-type]
-    return BatchDraft([list(t.tokens) for t in trees], probs, draft.names, one_hot,
-                      expected=[t.expected for t in trees])
+    return [list(t.tokens) for t in trees], probs, one_hot
 
 
 def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], BatchDraft]:
@@ -207,34 +201,41 @@ class BatchEngine:
         costs = self._policy_costs(active)
         d0 = time.perf_counter()
         draft = self._draft(active, costs)
-        lens = [len(t) for t in draft.tokens]
         d1 = time.perf_counter()
         if draft.trees is not None:
-            chains = as_chains(draft)  # grown trees that stayed chains take the chain path (batched verification)
-            if chains is None:
-                return refused + self._tree_step(active, draft, d0, d1)
-            draft, lens = chains, [len(t) for t in chains.tokens]
+            return refused + self._tree_step(active, draft, d0, d1)
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
         # 4. Ragged verification.
-        k_max = max(lens)
-        draft_tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in draft.tokens], dtype=torch.long,
-                                    device=logits.device).reshape(len(active), k_max)  # (B, K)
-        probs = None if draft.probs is None or k_max == 0 else draft.probs[:, :k_max]
-        verdict = _verdict(logits, active, draft_tokens, lens, probs, draft.one_hot, f"target '{self.target.name}'")
+        verdicts = self._verify_chains(logits, active, draft.tokens, draft.probs, draft.one_hot)
         share = self._timed(len(active), d0, d1)
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
-        events = []
-        for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdict.rows(), strict=True)):
-            if draft.expected and draft.expected[b]:  # a grown tree that stayed a chain
-                record_fit(r.tree_fit, draft.expected[b], v.n_accepted)
-            events.append(self._commit(r, t, v.n_accepted, v.next_token, v.next_kind, names[b], share))
-            events[-1].spans = self.last_spans
-            self._keep_feature(events[-1], hidden, b, v.n_accepted)
-            self._keep_fused(r, b, starts[b])
-        return refused + events
+        return refused + [self._commit_chain(r, b, t, v, names[b], share, hidden, starts[b])
+                          for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdicts, strict=True))]
+
+    def _verify_chains(self, logits: torch.Tensor, rows: Sequence[Request], drafts: Sequence[list[int]],
+                       probs: torch.Tensor | None, one_hot: Sequence[bool] | None) -> list[Verdict]:
+        """Each row's chain (its own length) verified from the pass's logits (B, >= K+1, V)
+        and q (B, >= K, V) or None: `_verdict` on the rows padded to the longest."""
+        lens = [len(t) for t in drafts]
+        k_max = max(lens)
+        tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in drafts], dtype=torch.long,
+                              device=logits.device).reshape(len(rows), k_max)  # (B, K)
+        q = None if probs is None or k_max == 0 else probs[:, :k_max]
+        return _verdict(logits[:, : k_max + 1], rows, tokens, lens, q, one_hot,
+                        f"target '{self.target.name}'").rows()
+
+    def _commit_chain(self, r: Request, b: int, drafted: list[int], v: Verdict, name: str | None,
+                      share: tuple[float, float], hidden: torch.Tensor | None, start: int) -> StepEvent:
+        """Row b's chain committed after its verdict, with the step's spans, the feature its
+        next draft starts from and its fused features."""
+        e = self._commit(r, drafted, v.n_accepted, v.next_token, v.next_kind, name, share)
+        e.spans = self.last_spans
+        self._keep_feature(e, hidden, b, v.n_accepted)
+        self._keep_fused(r, b, start)
+        return e
 
     def _score(self, active: Sequence[Request], drafts: Sequence[Sequence[int]],
                trees: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -292,40 +293,27 @@ class BatchEngine:
         tokens then its tree (nodes at chain end + depth, each seeing its ancestors only);
         each row's tree is verified by recursive rejection sampling; the accepted path's
         cache entries move next to the committed ones. A grown tree that stayed a chain is
-        scored and verified as the chain it is (`as_chains`), so a row's round never depends
-        on whether the rows beside it branched."""
+        scored and verified as the chain it is (`chain_draft`, the chain step's verification
+        and commit), so a row's round never depends on whether the rows beside it branched."""
         assert draft.trees is not None and draft.chains is not None
         trees = draft.trees
         chained = [b for b, tree in enumerate(trees) if draft.names is not None and is_chain(tree)]
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         scored_as = [[] if b in chained else t.parents for b, t in enumerate(trees)]
         logits, hidden = self._score(active, [t.tokens for t in trees], scored_as)
-        as_chain: dict[int, Any] = {}
+        as_chain: dict[int, Verdict] = {}
         if chained:  # those rows' chains, verified together as the chain step verifies
-            sub = as_chains(BatchDraft([[] for _ in chained], None, [draft.names[b] for b in chained],  # type: ignore[index]
-                                       trees=[trees[b] for b in chained], chains=[{} for _ in chained]))
-            assert sub is not None
-            k_max = max(len(t) for t in sub.tokens)
-            tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in sub.tokens], dtype=torch.long,
-                                  device=logits.device).reshape(len(chained), k_max)
-            rows = [active[b] for b in chained]
-            probs = None if sub.probs is None else sub.probs[:, :k_max]
-            verdicts = _verdict(logits[chained][:, : k_max + 1], rows, tokens, [len(t) for t in sub.tokens], probs,
-                                sub.one_hot, f"target '{self.target.name}'")
-            as_chain = dict(zip(chained, verdicts.rows(), strict=True))
+            drafts, probs, one_hot = chain_draft([trees[b] for b in chained])
+            as_chain = dict(zip(chained, self._verify_chains(logits[chained], [active[b] for b in chained], drafts,
+                                                             probs, one_hot), strict=True))
         share = self._timed(len(active), d0, d1)
         events = []
         for b, (r, tree) in enumerate(zip(active, trees, strict=True)):
             n, at = len(tree.tokens), r.length  # at: the root's position
             if b in as_chain:
-                v = as_chain[b]
-                record_fit(r.tree_fit, tree.expected, v.n_accepted)
-                e = self._commit(r, list(tree.tokens), v.n_accepted, v.next_token, v.next_kind, draft.names[b],  # type: ignore[index]
-                                 share)
-                e.spans = self.last_spans
-                self._keep_feature(e, hidden, b, v.n_accepted)
-                self._keep_fused(r, b, starts[b])
-                events.append(e)
+                record_fit(r.tree_fit, tree.expected, as_chain[b].n_accepted)
+                events.append(self._commit_chain(r, b, list(tree.tokens), as_chain[b],
+                                                 draft.names[b], share, hidden, starts[b]))  # type: ignore[index]
                 continue
             if r.params.greedy:  # p one-hot on the target's choices: follow them (no probabilities)
                 check_logits(logits[b, : n + 1], f"target '{self.target.name}'")
@@ -370,8 +358,8 @@ class BatchEngine:
             ks = [self._draft_budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
                   for r in active]
 
-            def own(r: Request, name: str) -> int:  # a prophet's K where the row's policy keeps one per prophet
-                return self._draft_budget(r, name) if r.policy is not None and r.policy.per_prophet else 10**9
+            def own(r: Request, name: str) -> int:  # the row's policy's K of a prophet, or of the whole tree
+                return self._draft_budget(r, name if r.policy is not None and r.policy.per_prophet else TREE)
 
             return self.prophet.propose(active, ks, own) if any(ks) else BatchDraft([[] for _ in active], None)
         skip: set[str] = set()

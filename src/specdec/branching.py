@@ -56,22 +56,14 @@ class TreeBudget:
     expected: float = 1.0
     steps: int = 0
 
-    def time(self, nodes: int, steps: int) -> float:
-        """Seconds of a round of `steps` drafting steps and a pass over 1 + nodes tokens."""
-        assert self.costs is not None
-        c = self.costs
-        t_draft = c.t_draft_by.get(self.prophet, c.t_draft)
-        t_call = c.t_call_by.get(self.prophet, 0.0)
-        return (steps * t_draft + t_call if steps else 0.0) + c.verify_time(1 + nodes)
-
     def pays(self, s: float, new_step: bool = False, nodes: float = 1.0) -> bool:
         """Whether adding nodes (default one) that bring s expected tokens raises the round's
         rate (a new depth: one drafting step more). Without costs, any node of chance >= 0.1."""
         if self.costs is None:
             return s >= 0.1
         steps = self.steps + (1 if new_step else 0)
-        now = self.time(self.nodes, max(self.steps, 1))
-        later = self.time(self.nodes + max(1, round(nodes)), steps)
+        now = self.costs.time_of(max(self.steps, 1), self.nodes, self.prophet)
+        later = self.costs.time_of(steps, self.nodes + max(1, round(nodes)), self.prophet)
         return (self.expected + s) / later > self.expected / now
 
     def add(self, s: float, new_step: bool = False, node: bool = True) -> None:

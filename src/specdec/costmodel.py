@@ -224,11 +224,16 @@ class Costs:
         return float(cache[k, prophet])
 
     def _round_time(self, k: int, prophet: str | None) -> float:
+        return self.time_of(k, self.width * k, prophet)
+
+    def time_of(self, steps: int, drafted: int, prophet: str | None = None) -> float:
+        """A round of `steps` drafting steps (and the call's fixed cost) whose pass scores 1 +
+        `drafted` tokens: a chain's (drafted = width x steps) or a token tree's (its nodes)."""
         t_draft = self.t_draft_by.get(prophet, self.t_draft) if prophet else self.t_draft
         calls = self.t_call_by.values()
         t_call = self.t_call_by[prophet] if prophet in self.t_call_by else \
             sum(calls) if self.width > 1 else max(calls, default=0.0)
-        return (k * t_draft + t_call if k else 0.0) + self.verify_time(1 + self.width * k)
+        return (steps * t_draft + t_call if steps else 0.0) + self.verify_time(1 + drafted)
 
     def speedup(self, tokens: float, k: int, prophet: str | None = None) -> float:
         """Speedup over plain decoding of rounds of k drafts that yield `tokens` on average."""

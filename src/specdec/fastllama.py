@@ -27,7 +27,7 @@ from specdec import layerloop
 from specdec.defaults import PREFILL_CHUNK, attention_block_end
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
-from specdec.lm import tree_layout
+from specdec.lm import tree_depths, tree_layout
 
 
 class Int8Weight:
@@ -594,13 +594,17 @@ class BatchLlama(LlamaWeights):
         in_cpp = not tree_of or (self.exact_rows and all(
             len(new_ids[b]) - len(t) == 1 and n_logits[b] >= len(new_ids[b]) for b, t in tree_of.items()))
         stack = layerloop.stack_for(self) if in_cpp and (layers is None or layers >= 0) else None
-        for b, parents in tree_of.items():  # laid out once for every layer: positions, for this loop the mask and keys
-            start, chain = starts[b], len(new_ids[b]) - len(parents)
+        for b, parents in tree_of.items():  # laid out once for every layer: the nodes' positions (chain end + depth),
+            start, chain = starts[b], len(new_ids[b]) - len(parents)  # and for this loop the mask and keys
+            if stack is not None:  # the C++ loop takes the parents themselves
+                ends = [start + chain - 1 + d for d in tree_depths(parents)]
+                positions[b, chain : chain + len(parents)] = torch.tensor(ends, device=device)
+                continue
             where, allowed = tree_layout(start, chain, parents)
             positions[b, : len(where)] = where.to(device)
             context = torch.arange(start, device=device)
             node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
-                         for j in range(chain, len(where))] if self.exact_rows and stack is None else []
+                         for j in range(chain, len(where))] if self.exact_rows else []
             layouts[b] = _Tree(allowed.to(device), node_keys)
         rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
                 for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]

@@ -43,7 +43,6 @@ class BatchDraft:
     # and each row's chains by prophet (a draft model's cache keeps what agrees with the path)
     trees: list[DraftTree] | None = None
     chains: list[dict[str, list[int]]] | None = None
-    expected: list[float] | None = None  # grown trees taken as chains: the tokens each row's tree expected
 
     def cut(self, ks: Sequence[int]) -> BatchDraft:
         return BatchDraft([t[:k] for t, k in zip(self.tokens, ks, strict=True)], self.probs, self.names, self.one_hot)
@@ -323,9 +322,9 @@ class FeatureBatchProphet:
             depth += 1
             h = torch.stack([f[2] for f in frontier])
             last = torch.tensor([f[3] for f in frontier], device=h.device)
-            # each row's nodes computed apart from other rows' where products are not rows-invariant
+            # a seeded sampled row's nodes each computed alone where products are not rows-invariant
             alone = [] if p.rows_invariant else [i for i, f in enumerate(frontier) if not _batch_free(reqs[f[0]])]
-            g, sub = _guess(p, h, h, last, depth, alone) if not alone else _guess_by_row(p, h, last, depth, frontier)
+            g, sub = _guess(p, h, h, last, depth, alone)
             check_logits(sub, who)
             grown: list[Node] = []
             for b in dict.fromkeys(f[0] for f in frontier):
@@ -406,18 +405,6 @@ def _q_of(q: torch.Tensor, ids: torch.Tensor, token: int) -> float:
 def _row_costs(req: Request) -> Any:
     """The costs a row's policy weighs (set by the engine each step), or None."""
     return getattr(req.policy, "costs", None) if req.policy is not None else None
-
-
-def _guess_by_row(p: FeatureProphet, h: torch.Tensor, last: torch.Tensor, j: int,
-                  frontier: Sequence[tuple[Any, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_guess` with each row's nodes computed together and apart from other rows'."""
-    groups: dict[int, list[int]] = {}
-    for i, f in enumerate(frontier):
-        groups.setdefault(f[0], []).append(i)
-    parts = list(groups.values())
-    gs = [p.guess(h[part], h[part], last[part], j) for part in parts]
-    rows = [i for part in parts for i in part]
-    return in_row_order(rows, gs), in_row_order(rows, [p.draft_logits(x) for x in gs])
 
 
 def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Tensor, j: int,
@@ -620,8 +607,9 @@ class FirstBatchProphet:
                 if b in grown:
                     trees[b], chains[b] = grown[b]
                 elif t:
-                    trees[b].add_chain(t, q_rows.get(b), names[b] or "")
-                    chains[b] = {names[b] or "": t}
+                    name = str(names[b])  # set with t
+                    trees[b].add_chain(t, q_rows.get(b), name)
+                    chains[b] = {name: t}
             return BatchDraft([[] for _ in reqs], None, names, trees=trees, chains=chains)
         if not q_rows:
             return BatchDraft(tokens, None, names)

@@ -90,7 +90,7 @@ def test_specbench_question_selection(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "unreadable", "directory", "malformed", "no-turns", "empty",
-                                  "not-spec-bench", "negative"])
+                                  "not-spec-bench", "negative", "branches-zero", "branches-word"])
 def test_specbench_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     good = _write(tmp_path / "good.jsonl", QUESTIONS)
     args = ["bench", "--suite", "spec-bench", "--target", "bundled", "--out", str(tmp_path / "out")]
@@ -108,6 +108,8 @@ def test_specbench_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
         args = ["bench", "--suite", "code", "--questions", str(good), "--out", str(tmp_path / "out")]
     elif case == "negative":
         args += ["--questions", str(good), "--per-task", "-1"]
+    elif case.startswith("branches"):
+        args += ["--questions", str(good), "--branches", "1,0" if case == "branches-zero" else "1,x"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("specdec: error: "), err
@@ -161,3 +163,14 @@ def test_decoding_speedup_leaves_out_the_prompt_reading():
     assert "decoding speedup" in specbench_markdown(list(rows.values()), "### sampling")
     peerless = [Run("plain", 0, "qa", [1, 2], 1.0, {}), Run("spec", 0, "qa", [1, 2], 1.0, {"first_token_s": 0.5})]
     assert by_task(peerless, configs, "plain", False, ["qa"], ["qa:1"])[0]["decode_speedup"] is None
+
+
+def test_specbench_runs_each_draft_once_per_branches_value():
+    from specdec.bench.main import parse_branches, specbench_configs
+
+    assert parse_branches(None) == [1] and parse_branches("1,4") == [1, 4]
+    configs = specbench_configs("smollm2", ["default", "ngram"], [1, 4])
+    assert [(c.name, c.branches) for c in configs[2:]] == [
+        ("default (ngram+models/smollm2-eagle)", 1), ("default (ngram+models/smollm2-eagle), branches 4", 4),
+        ("ngram", 1), ("ngram, branches 4", 4)]
+    assert [c.branches for c in configs[:2]] == [1, 1]  # plain twice

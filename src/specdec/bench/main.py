@@ -378,13 +378,13 @@ def specbench_configs(target: str, drafts: list[str], branches: Sequence[int] = 
 def parse_branches(text: str | None) -> list[int]:
     """--branches for spec-bench: a comma list of integers 1..MAX_BRANCHES (default "1")."""
     from specdec.api import check_branches
+    from specdec.defaults import MAX_BRANCHES
 
     try:
-        values = [int(v) for v in (text or "1").split(",") if v.strip()]
-        return [check_branches(v) for v in values] or [1]
-    except ValueError as e:
-        raise SpecdecError(f"--branches: {e}" if "branches" in str(e) else
-                           f"--branches takes a comma list of integers, not {text!r}") from None
+        return [check_branches(int(v)) for v in (text or "1").split(",")]
+    except ValueError:
+        raise SpecdecError(f"--branches takes a comma list of integers from 1 to {MAX_BRANCHES}, "
+                           f"not {text!r}") from None
 
 
 def _specbench_result(mode: str, settings: dict[str, Any], configs: list[Config], runs: list[Run], tasks: list[str],
@@ -419,6 +419,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     if not modes or any(m not in ("greedy", "sampling") for m in modes):
         raise SpecdecError(f"--modes: greedy, sampling or both (greedy,sampling), not {args.modes!r}")
     peer_configs = check_peers(getattr(args, "peers", None), args.target or default_target())
+    branches = parse_branches(getattr(args, "branches", None))
     console = Console(stderr=True)
     torch.manual_seed(0)
     out_dir = Path(args.out)
@@ -426,8 +427,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
     t0, load = time.perf_counter(), OtherLoad()
     target = args.target or default_target()
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
-    configs = specbench_configs(target, args.draft or ["default"], parse_branches(getattr(args, "branches", None))) \
-        + peer_configs
+    configs = specbench_configs(target, args.draft or ["default"], branches) + peer_configs
     from specdec.wiring import resolve_dtype
 
     runner = load_runner(configs, {}, target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),

@@ -92,6 +92,33 @@ def test_every_row_drafting_grown_trees_matches_the_exact_distribution(with_ngra
         assert result.passed, (k, s, result)
 
 
+def test_a_tree_whose_prophets_choose_their_own_k_matches_the_exact_distribution():
+    """--multi tree with each row's AutoPolicy choosing each prophet's K from that prophet's own
+    evidence (lookup's chain beside the eagle's grown tree, costs given): every row's tokens
+    follow the target's exact distribution, and the prophets' chains did differ in length."""
+    from specdec.policy import AutoPolicy
+
+    engine, target = tree_engine(3, "tree")
+    engine.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05, width=2))
+    settings = dict(temperature=0.9, top_p=0.95)
+    requests = [Request([1, 2, 1, 2, 1], LENGTH + 2, row_params(settings), 4, seed=i,
+                        policy=AutoPolicy(4, min_rounds=1)) for i in range(N)]
+    lengths = set()
+    step = engine._tree_step
+
+    def seen(active, draft, d0, d1):
+        lengths.update(tuple(len(c) for c in row.values()) for row in draft.chains if len(row) == 2)
+        return step(active, draft, d0, d1)
+
+    engine._tree_step = seen  # type: ignore[method-assign]
+    engine.generate(requests)
+    counts = Counter(tuple(r.generated) for r in requests)
+    want = sequence_distribution(target, [1, 2, 1, 2, 1], LENGTH + 2, row_params(settings))
+    result = goodness_of_fit(counts, want, alpha=ALPHA)
+    assert result.passed, result
+    assert any(a != b for a, b in lengths), lengths
+
+
 def test_grown_trees_are_exact_with_draws_that_repeat_and_deep_trees(monkeypatch):
     """Every node pays (up to 12 a tree, 4 draws a node, depth 4): repeated draws share a node
     and keep both proposals; still the exact distribution."""

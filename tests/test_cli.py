@@ -55,6 +55,8 @@ def test_a_check_in_which_nothing_was_drafted_is_inconclusive(tiny_pair, capsys)
     (["--device", "cuda:7"] if __import__("torch").cuda.is_available() else ["--device", "cuda"], "cuda"),
     (["--draft", "ngram+"], "empty part"),
     (["--draft", "ngram:x"], "longest match"),
+    (["--branches", "0"], "branches must be an integer from 1"),
+    (["--branches", "4"], "has none: add one"),  # a draft model: no eagle to grow trees from
 ])
 def test_errors_are_clear_and_exit_2(tiny_pair, capsys, args, msg):
     argv = ["generate", "x", "--target", tiny_pair["target"], "--draft", tiny_pair["close"]] + args

@@ -76,10 +76,15 @@ def test_ragged_verifier_forced_paths():
 
 
 @settings(max_examples=200, deadline=None)
-@given(ragged_batches(), st.booleans())
-def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties):
+@given(ragged_batches(), st.booleans(), st.booleans())
+def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties, lists):
     """A greedy target's p is one-hot on its argmax: verify_greedy_rows, from the choices alone,
-    gives the specification's verdict whatever q is (one-hot or not); drafts made to agree often."""
+    gives the specification's verdict whatever q is (one-hot or not); drafts made to agree often;
+    on lists (a few rows) and on tensors (many)."""
+    import specdec.ragged
+
+    saved = specdec.ragged.SMALL_VERDICT
+    specdec.ragged.SMALL_VERDICT = saved if lists else 0
     tokens, lens, draft_probs, one_hot, target_probs, seed = batch
     n_rows, k_plus = target_probs.shape[:2]
     choices = target_probs.argmax(-1)  # (B, K+1)
@@ -91,7 +96,10 @@ def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties):
     p = torch.nn.functional.one_hot(choices, target_probs.shape[-1]).float()
     gens = [torch.Generator().manual_seed(seed + b) for b in range(n_rows)]
     expected = verify_rows_reference(tokens, lens, draft_probs, one_hot, p, gens)
-    assert verify_greedy_rows(tokens, lens, choices).rows() == expected
+    try:
+        assert verify_greedy_rows(tokens, lens, choices).rows() == expected
+    finally:
+        specdec.ragged.SMALL_VERDICT = saved
 
 
 def test_a_step_verifies_greedy_and_sampled_rows_together_as_each_alone():

@@ -87,3 +87,56 @@ def test_sample_draws_each_row_from_its_distribution():
     big = torch.softmax(torch.randn(49_152, generator=g), -1)  # a real vocabulary's size
     big[::2] = 0.0
     assert all(int(sample(big, g)) % 2 == 1 for _ in range(200))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The specification of `sample`'s draw: the first id whose float64 cumulative mass exceeds
+    u times the total (one sequential sum over every id)."""
+    cdf = probs.double().cumsum(-1)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+
+
+@pytest.mark.parametrize("size", [3, 255, 256, 257, 8191, 49_152])
+def test_sample_is_the_first_id_past_u_times_the_total(size):
+    """The two-level sampler (block totals, then within one block) draws what one float64
+    cumulative sum over every id draws, from the same uniform: 300 distributions a size,
+    unnormalized, with zeros, peaked and flat, their mass in the last (partial) block."""
+    from specdec.sampling import sample
+
+    g = torch.Generator().manual_seed(size)
+    for case in range(300):
+        probs = torch.softmax(torch.randn(size, generator=g) * float(torch.rand((), generator=g) * 10), -1)
+        if case % 3 == 1:
+            probs = probs * (torch.rand(size, generator=g) < 0.5) * 7.0  # zeros, unnormalized
+        if case % 3 == 2:
+            probs[: max(1, size - 5)] = 0.0  # only the last ids have mass
+        if int((probs > 0).sum()) < 2:
+            probs[-1] = probs[-2] = 0.5
+        state = g.get_state()
+        u = float(torch.rand(1, generator=g, dtype=torch.float64)[0])
+        g.set_state(state)
+        token = int(sample(probs, g))
+        assert token == _inverse_cdf(probs, u), (size, case)
+        assert probs[token] > 0
+
+
+def test_checked_argmax_is_argmax_and_raises_what_check_logits_raises():
+    from specdec.sampling import SMALL_ARGMAX, checked_argmax
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1, 49_152), (3, 2, 1000), (SMALL_ARGMAX // 1000 + 1, 1000)]:  # NumPy's path, then PyTorch's
+        x = torch.randn(*shape, generator=g)
+        x[..., 7] = x.max()  # ties: the first of equal maxima
+        assert torch.equal(checked_argmax(x), x.argmax(-1))
+        for value, message in [(float("nan"), "produced NaN"), (math.inf, r"produced \+inf")]:
+            bad = x.clone()
+            bad.view(-1)[bad.numel() // 2] = value  # not the row's maximum before it was put there
+            with pytest.raises(InvalidLogitsError, match=message):
+                checked_argmax(bad, "m")
+        row = x.clone()
+        row[0] = -math.inf
+        with pytest.raises(InvalidLogitsError, match="-inf for every token"):
+            checked_argmax(row, "m")
+        some = x.clone()
+        some[..., :5] = -math.inf  # -inf in places is no error
+        assert torch.equal(checked_argmax(some), some.argmax(-1))

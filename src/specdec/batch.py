@@ -64,7 +64,7 @@ from specdec.rowprophets import (
     in_row_order,
 )
 from specdec.rows import BatchLM
-from specdec.sampling import SamplingParams, check_logits, couple, logits_to_probs
+from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs
 from specdec.verify import DraftTree, Verdict, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
@@ -79,25 +79,26 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     built); the others by their sampling distributions (`verify_rows`); the same verdicts."""
     greedy = [b for b, r in enumerate(rows) if r.params.greedy and r.params.coupled is None]
     if len(greedy) == len(rows):
-        check_logits(logits, who)
-        return verify_greedy_rows(draft_tokens, lens, logits.argmax(-1))
+        return verify_greedy_rows(draft_tokens, lens, checked_argmax(logits, who))
     chosen_rows = set(greedy)
     rest = [b for b in range(len(rows)) if b not in chosen_rows]
     sub = [rows[b] for b in rest]
-    target_probs = _probs_by_params(logits[rest], sub, who)  # checks their logits
+
+    def of_rest(x: torch.Tensor) -> torch.Tensor:  # the sampled rows' part (no copy where that is every row)
+        return x if not greedy else x[rest]
+
+    target_probs = _probs_by_params(of_rest(logits), sub, who)  # checks their logits
     for i, r in enumerate(sub):  # a coupled row: each position one-hot on its keyed draw
         if r.params.coupled is not None:
             target_probs[i] = couple(target_probs[i], r.params, r.length)
-    q = None if probs is None else probs[rest]
+    q = None if probs is None else of_rest(probs)
     hot = None if one_hot is None or q is None else \
         torch.tensor([one_hot[b] for b in rest], dtype=torch.bool, device=logits.device)
-    sampled = verify_rows(draft_tokens[rest], [lens[b] for b in rest], q, hot, target_probs,
+    sampled = verify_rows(of_rest(draft_tokens), [lens[b] for b in rest], q, hot, target_probs,
                           [r.generator for r in sub])
     if not greedy:
         return sampled
-    greedy_logits = logits[greedy]
-    check_logits(greedy_logits, who)
-    chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], greedy_logits.argmax(-1))
+    chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], checked_argmax(logits[greedy], who))
     return RaggedVerdict(*(in_row_order(greedy + rest, [getattr(chosen, f), getattr(sampled, f)])
                            for f in ("n_accepted", "next_tokens", "bonus")))
 
@@ -316,8 +317,8 @@ class BatchEngine:
                                                  draft.names[b], share, hidden, starts[b]))  # type: ignore[index]
                 continue
             if r.params.greedy:  # p one-hot on the target's choices: follow them (no probabilities)
-                check_logits(logits[b, : n + 1], f"target '{self.target.name}'")
-                verdict = verify_greedy_tree(tree, logits[b, : n + 1].argmax(-1).tolist())
+                picks = checked_argmax(logits[b, : n + 1], f"target '{self.target.name}'")
+                verdict = verify_greedy_tree(tree, picks.tolist())
             else:
                 p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
                 p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions

@@ -25,6 +25,8 @@ import torch
 from specdec.sampling import sample
 from specdec.verify import Verdict, verify_chain
 
+SMALL_VERDICT = 64  # verify_greedy_rows: positions (rows x (K+1)) up to which lists beat tensor calls
+
 
 @dataclass(frozen=True)
 class RaggedVerdict:
@@ -132,6 +134,17 @@ def verify_greedy_rows(
     No uniforms are drawn: a greedy row's generator decides nothing. (B rows of SmolLM2's
     49,152 ids on a 2-core CPU: the one-hot p and `verify_rows` took 8 ms a step at B = 32.)"""
     n_rows, k_max = draft_tokens.shape
+    if n_rows * (k_max + 1) <= SMALL_VERDICT:  # a few rows: the same rule on lists, without ~10 tensor calls
+        drafts, picks = draft_tokens.tolist(), choices.tolist()
+        n_list = []
+        for row, k, pick in zip(drafts, draft_lens, picks, strict=True):
+            n = 0
+            while n < k and row[n] == pick[n]:
+                n += 1
+            n_list.append(n)
+        picked = [pick[n] for pick, n in zip(picks, n_list, strict=True)]
+        return RaggedVerdict(torch.tensor(n_list), torch.tensor(picked),
+                             torch.tensor([n == k for n, k in zip(n_list, draft_lens, strict=True)]))
     lens = torch.tensor(list(draft_lens), dtype=torch.long, device=choices.device)
     in_draft = torch.arange(k_max, device=choices.device)[None, :] < lens[:, None]
     passed = (draft_tokens == choices[:, :k_max]) & in_draft

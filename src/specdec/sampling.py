@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Called after each drafted token with that step's q (V,): returning False stops drafting
@@ -96,10 +97,35 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, who: str = "mo
     check_logits(logits, who)
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = _mask_top_k(logits / params.temperature, params.top_k or 0)
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
+    logits = _mask_top_k(logits if params.temperature == 1.0 else logits / params.temperature, params.top_k or 0)
     probs = torch.softmax(logits, dim=-1)
     return _mask_top_p(probs, params.top_p)
+
+
+SAMPLE_BLOCK = 256  # ids per block of the two-level inversion in `sample`
+SMALL_ARGMAX = 1 << 20  # `argmax`: elements up to which one thread's NumPy scan beats PyTorch's reduction
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first of equal maxima, as `torch.argmax`): for a small float32 CPU
+    tensor (a row alone's logits) by NumPy's one-thread scan, 3 us over SmolLM2's 49,152 ids
+    on a 2-core CPU against 43 us for PyTorch's reduction, which wakes its thread pool for
+    one row (SMALL_ARGMAX); PyTorch's otherwise. Call after `check_logits` (NaN is not a max)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > SMALL_ARGMAX or x.requires_grad:
+        return x.argmax(-1)
+    return torch.from_numpy(x.contiguous().numpy().argmax(-1))
+
+
+def checked_argmax(logits: torch.Tensor, who: str = "model") -> torch.Tensor:
+    """argmax(logits) (..., V) -> (...), with `check_logits`'s errors from the same pass: an
+    argmax is the first NaN where there is one, else +inf where there is one, and -inf only
+    where every logit of its row is, so a finite maximum everywhere is all that check asks
+    (logits fresh from a target's head come from memory, ~30 us a read of SmolLM2's 49,152)."""
+    ids = argmax(logits)
+    if not bool(torch.isfinite(logits.gather(-1, ids[..., None])).all()):
+        check_logits(logits, who)
+    return ids
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -107,22 +133,43 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     single row with only one possible token (greedy: one-hot) is that token, without a draw
     from the generator.
 
-    By inversion: one uniform u per row, and the first id whose cumulative mass (in float64)
-    exceeds u times the row's total. `torch.multinomial` draws V exponentials for one
-    sample, 0.9 ms over SmolLM2's 49,152 ids on a 2-core CPU (a target step is ~30 ms), and a
-    round at temperature 1 samples once per drafted token and once more; this takes ~0.1 ms.
-    A token of probability 0 is never drawn (its cumulative mass equals its predecessor's)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    if flat.shape[0] == 1 and int((flat > 0).sum()) == 1:
-        return flat.argmax(-1).reshape(probs.shape[:-1])
-    cdf = flat.double().cumsum(-1)  # (R, V)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]  # (R,)
-    over = ids >= flat.shape[-1]  # u * total rounded up to the total: the last id with mass
-    if bool(over.any()):
-        last = flat.shape[-1] - 1 - (flat > 0).flip(-1).int().argmax(-1)
-        ids = torch.where(over, last, ids)
-    return ids.reshape(probs.shape[:-1])
+    By inversion: one uniform u per row (float64, from the row's generator), and the first id
+    whose cumulative mass exceeds u times the row's total, the mass summed in float64 in two
+    levels: the totals of blocks of SAMPLE_BLOCK ids, then within the one block where u
+    falls. A token of probability 0 is never drawn (its cumulative mass equals its
+    predecessor's). `torch.multinomial` draws V exponentials for one sample (0.9 ms over
+    SmolLM2's 49,152 ids on a 2-core CPU); a float64 cumulative sum over all V ids, the way
+    before this one, took ~200 us a draw, 5% of a target step; this ~30 us."""
+    device = probs.device
+    rows = probs.detach().reshape(-1, probs.shape[-1])
+    if rows.dtype != torch.float32 or device.type != "cpu":
+        rows = rows.float().cpu()
+    n_rows, size = rows.shape
+    blocks = -(-size // SAMPLE_BLOCK)
+    padded = rows if blocks * SAMPLE_BLOCK == size else torch.nn.functional.pad(rows, (0, blocks * SAMPLE_BLOCK - size))
+    totals = padded.reshape(n_rows, blocks, SAMPLE_BLOCK).sum(-1, dtype=torch.float64).cumsum(-1).numpy()  # (R, blocks)
+    mass = rows.numpy()
+    if n_rows == 1:  # one possible token: its largest mass is the whole total (checked exactly where equal)
+        top = float(mass[0].max())
+        if top > 0 and top == totals[0, -1] and np.count_nonzero(mass[0]) == 1:
+            return torch.tensor(int(mass[0].argmax()), device=device).reshape(probs.shape[:-1])
+    u = torch.rand(n_rows, generator=generator, dtype=torch.float64, device=device).cpu().numpy()
+    ids = np.empty(n_rows, dtype=np.int64)
+    for r in range(n_rows):
+        x = u[r] * totals[r, -1]
+        j = min(int(np.searchsorted(totals[r], x, side="right")), blocks - 1)  # u * total rounded up: the last block
+        lo = j * SAMPLE_BLOCK
+        block = mass[r, lo: lo + SAMPLE_BLOCK]
+        within = np.cumsum(block, dtype=np.float64)
+        if j:
+            within += totals[r, j - 1]
+        i = int(np.searchsorted(within, x, side="right"))
+        if i >= len(block):  # x at or past the block's summed end (rounding): the last id with mass
+            nonzero = np.flatnonzero(mass[r, : lo + len(block)] > 0)
+            i = int(nonzero[-1]) - lo
+        ids[r] = lo + i
+    out = torch.from_numpy(ids).reshape(probs.shape[:-1])
+    return out if device.type == "cpu" else out.to(device)
 
 
 # ----------------------------------------------------------------- coupled sampling

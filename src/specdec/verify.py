@@ -57,6 +57,8 @@ def verify_chain(
 ) -> Verdict:
     """Speculative sampling for one sequence: accept a prefix of the draft, then one more token."""
     k = draft_tokens.shape[0]
+    if k == 0:  # nothing drafted (a plain step): the bonus token alone; no uniform is drawn either way
+        return Verdict(0, int(sample(target_probs[0], generator)), "bonus")
     # 1. Acceptance test for every position at once; only the first rejection matters.
     p_of_draft = target_probs[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)  # (K,)
     if draft_probs is None:

@@ -120,23 +120,27 @@ def test_sample_is_the_first_id_past_u_times_the_total(size):
         assert probs[token] > 0
 
 
-def test_checked_argmax_is_argmax_and_raises_what_check_logits_raises():
-    from specdec.sampling import SMALL_ARGMAX, checked_argmax
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_checked_argmax_is_argmax_and_raises_what_check_logits_raises(as_lists):
+    from specdec.sampling import SMALL_ARGMAX, checked_argmax, checked_choices
+
+    def picks(x, who="model"):  # checked_choices: the same picks and errors, as lists
+        return torch.tensor(checked_choices(x, who)) if as_lists else checked_argmax(x, who)
 
     g = torch.Generator().manual_seed(3)
     for shape in [(1, 49_152), (3, 2, 1000), (SMALL_ARGMAX // 1000 + 1, 1000)]:  # NumPy's path, then PyTorch's
         x = torch.randn(*shape, generator=g)
         x[..., 7] = x.max()  # ties: the first of equal maxima
-        assert torch.equal(checked_argmax(x), x.argmax(-1))
+        assert torch.equal(picks(x), x.argmax(-1))
         for value, message in [(float("nan"), "produced NaN"), (math.inf, r"produced \+inf")]:
             bad = x.clone()
             bad.view(-1)[bad.numel() // 2] = value  # not the row's maximum before it was put there
             with pytest.raises(InvalidLogitsError, match=message):
-                checked_argmax(bad, "m")
+                picks(bad, "m")
         row = x.clone()
         row[0] = -math.inf
         with pytest.raises(InvalidLogitsError, match="-inf for every token"):
-            checked_argmax(row, "m")
+            picks(row, "m")
         some = x.clone()
         some[..., :5] = -math.inf  # -inf in places is no error
-        assert torch.equal(checked_argmax(some), some.argmax(-1))
+        assert torch.equal(picks(some), some.argmax(-1))

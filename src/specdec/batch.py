@@ -47,7 +47,7 @@ from specdec.finish import Finish
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
-from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows
+from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
 from specdec.rowprophets import (
     TREE,
@@ -64,7 +64,7 @@ from specdec.rowprophets import (
     in_row_order,
 )
 from specdec.rows import BatchLM
-from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs
+from specdec.sampling import SamplingParams, checked_argmax, checked_choices, couple, logits_to_probs
 from specdec.verify import DraftTree, Verdict, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
@@ -222,11 +222,13 @@ class BatchEngine:
         and q (B, >= K, V) or None: `_verdict` on the rows padded to the longest."""
         lens = [len(t) for t in drafts]
         k_max = max(lens)
+        who = f"target '{self.target.name}'"
+        if all(r.params.greedy and r.params.coupled is None for r in rows):  # the target's choices alone
+            return greedy_verdicts(drafts, checked_choices(logits[:, : k_max + 1], who))
         tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in drafts], dtype=torch.long,
                               device=logits.device).reshape(len(rows), k_max)  # (B, K)
         q = None if probs is None or k_max == 0 else probs[:, :k_max]
-        return _verdict(logits[:, : k_max + 1], rows, tokens, lens, q, one_hot,
-                        f"target '{self.target.name}'").rows()
+        return _verdict(logits[:, : k_max + 1], rows, tokens, lens, q, one_hot, who).rows()
 
     def _commit_chain(self, r: Request, b: int, drafted: list[int], v: Verdict, name: str | None,
                       share: tuple[float, float], hidden: torch.Tensor | None, start: int) -> StepEvent:

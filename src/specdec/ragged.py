@@ -121,6 +121,19 @@ def verify_rows(
     return RaggedVerdict(n_accepted, next_tokens, bonus)
 
 
+def greedy_verdicts(drafts: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> list[Verdict]:
+    """`verify_greedy_rows` on lists: each row's drafted tokens and the target's choice at each
+    scored position (at least one more than drafted). A row accepts its drafts while they are
+    the choices; the choice after the last accepted one ends its round."""
+    out = []
+    for draft, pick in zip(drafts, choices, strict=True):
+        n = 0
+        while n < len(draft) and draft[n] == pick[n]:
+            n += 1
+        out.append(Verdict(n, int(pick[n]), "bonus" if n == len(draft) else "recovered"))
+    return out
+
+
 def verify_greedy_rows(
     draft_tokens: torch.Tensor,  # (B, K) int64, row b valid up to draft_lens[b]
     draft_lens: Sequence[int],  # (B,) k_b
@@ -135,16 +148,11 @@ def verify_greedy_rows(
     49,152 ids on a 2-core CPU: the one-hot p and `verify_rows` took 8 ms a step at B = 32.)"""
     n_rows, k_max = draft_tokens.shape
     if n_rows * (k_max + 1) <= SMALL_VERDICT:  # a few rows: the same rule on lists, without ~10 tensor calls
-        drafts, picks = draft_tokens.tolist(), choices.tolist()
-        n_list = []
-        for row, k, pick in zip(drafts, draft_lens, picks, strict=True):
-            n = 0
-            while n < k and row[n] == pick[n]:
-                n += 1
-            n_list.append(n)
-        picked = [pick[n] for pick, n in zip(picks, n_list, strict=True)]
-        return RaggedVerdict(torch.tensor(n_list), torch.tensor(picked),
-                             torch.tensor([n == k for n, k in zip(n_list, draft_lens, strict=True)]))
+        drafts = [row[:k] for row, k in zip(draft_tokens.tolist(), draft_lens, strict=True)]
+        verdicts = greedy_verdicts(drafts, choices.tolist())
+        return RaggedVerdict(torch.tensor([v.n_accepted for v in verdicts]),
+                             torch.tensor([v.next_token for v in verdicts]),
+                             torch.tensor([v.next_kind == "bonus" for v in verdicts]))
     lens = torch.tensor(list(draft_lens), dtype=torch.long, device=choices.device)
     in_draft = torch.arange(k_max, device=choices.device)[None, :] < lens[:, None]
     passed = (draft_tokens == choices[:, :k_max]) & in_draft

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,9 +113,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     tensor (a row alone's logits) by NumPy's one-thread scan, 3 us over SmolLM2's 49,152 ids
     on a 2-core CPU against 43 us for PyTorch's reduction, which wakes its thread pool for
     one row (SMALL_ARGMAX); PyTorch's otherwise. Call after `check_logits` (NaN is not a max)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > SMALL_ARGMAX or x.requires_grad:
-        return x.argmax(-1)
-    return torch.from_numpy(x.contiguous().numpy().argmax(-1))
+    return torch.from_numpy(_numpy_picks(x)[0]) if _small(x) else x.argmax(-1)
 
 
 def checked_argmax(logits: torch.Tensor, who: str = "model") -> torch.Tensor:
@@ -122,10 +121,37 @@ def checked_argmax(logits: torch.Tensor, who: str = "model") -> torch.Tensor:
     argmax is the first NaN where there is one, else +inf where there is one, and -inf only
     where every logit of its row is, so a finite maximum everywhere is all that check asks
     (logits fresh from a target's head come from memory, ~30 us a read of SmolLM2's 49,152)."""
-    ids = argmax(logits)
+    if _small(logits):  # by NumPy, whose calls cost less than PyTorch's right after a step
+        picks, tops = _numpy_picks(logits)
+        if not np.isfinite(tops).all():
+            check_logits(logits, who)
+        return torch.from_numpy(picks)
+    ids = logits.argmax(-1)
     if not bool(torch.isfinite(logits.gather(-1, ids[..., None])).all()):
         check_logits(logits, who)
     return ids
+
+
+def checked_choices(logits: torch.Tensor, who: str = "model") -> list[Any]:
+    """`checked_argmax` as nested lists of ids (B, K+1 logits -> B lists): what a greedy
+    verdict compares drafts with, without a tensor in between for a row alone."""
+    if _small(logits):
+        picks, tops = _numpy_picks(logits)
+        if not np.isfinite(tops).all():
+            check_logits(logits, who)
+        return picks.tolist()  # type: ignore[no-any-return]
+    return checked_argmax(logits, who).tolist()  # type: ignore[no-any-return]
+
+
+def _small(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= SMALL_ARGMAX and not x.requires_grad
+
+
+def _numpy_picks(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The argmax of each row of x (..., V) and the values there, by NumPy."""
+    a = x.detach().contiguous().numpy()
+    picks = a.argmax(-1)
+    return picks, np.take_along_axis(a, picks[..., None], -1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -64,7 +64,7 @@ from specdec.rowprophets import (
     in_row_order,
 )
 from specdec.rows import BatchLM
-from specdec.sampling import SamplingParams, checked_argmax, checked_choices, couple, logits_to_probs
+from specdec.sampling import SamplingParams, checked_argmax, checked_choices, couple, logits_to_probs, sample
 from specdec.verify import DraftTree, Verdict, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
@@ -225,6 +225,9 @@ class BatchEngine:
         who = f"target '{self.target.name}'"
         if all(r.params.greedy and r.params.coupled is None for r in rows):  # the target's choices alone
             return greedy_verdicts(drafts, checked_choices(logits[:, : k_max + 1], who))
+        if k_max == 0 and all(r.params.coupled is None for r in rows):  # sampled plain steps: the bonus token
+            probs = _probs_by_params(logits[:, :1], rows, who)  # checks the logits
+            return [Verdict(0, int(sample(probs[b, 0], r.generator)), "bonus") for b, r in enumerate(rows)]
         tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in drafts], dtype=torch.long,
                               device=logits.device).reshape(len(rows), k_max)  # (B, K)
         q = None if probs is None or k_max == 0 else probs[:, :k_max]

@@ -10,6 +10,7 @@ must be caught by the same test, which proves the test has power.
 import pytest
 import torch
 
+import specdec.batch as batch_mod
 import specdec.ragged as ragged_mod
 from specdec.engine import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
@@ -138,7 +139,8 @@ def resample_from_p_verifier(draft_tokens, draft_probs, target_probs, generator)
 @pytest.mark.parametrize("wrong", [argmax_matching_verifier, resample_from_p_verifier])
 def test_negative_control_biased_verifier_is_caught(monkeypatch, wrong):
     target, good, _ = models()
-    monkeypatch.setattr(ragged_mod, "verify_chain", wrong)  # the one loop's verifier of a row alone
+    monkeypatch.setattr(batch_mod, "verify_chain", wrong)  # the one loop's verifier of a sampled row alone
+    monkeypatch.setattr(ragged_mod, "verify_chain", wrong)  # and of each row in `verify_rows_reference`
     decoder = SpeculativeDecoder(target, ModelProphet(good), policy=Policy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert not result.passed, result

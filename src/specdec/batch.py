@@ -65,7 +65,7 @@ from specdec.rowprophets import (
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, checked_argmax, checked_choices, couple, logits_to_probs, sample
-from specdec.verify import DraftTree, Verdict, verify_greedy_tree, verify_tree
+from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
@@ -219,15 +219,23 @@ class BatchEngine:
     def _verify_chains(self, logits: torch.Tensor, rows: Sequence[Request], drafts: Sequence[list[int]],
                        probs: torch.Tensor | None, one_hot: Sequence[bool] | None) -> list[Verdict]:
         """Each row's chain (its own length) verified from the pass's logits (B, >= K+1, V)
-        and q (B, >= K, V) or None: `_verdict` on the rows padded to the longest."""
+        and q (B, >= K, V) or None: `_verdict` on the rows padded to the longest, or (the same
+        verdicts with fewer calls, each of which costs ~10 us right after a pass) greedy rows from
+        the target's choices, a sampled row alone by `verify_chain`, sampled plain steps' tokens
+        drawn from p."""
         lens = [len(t) for t in drafts]
         k_max = max(lens)
         who = f"target '{self.target.name}'"
         if all(r.params.greedy and r.params.coupled is None for r in rows):  # the target's choices alone
             return greedy_verdicts(drafts, checked_choices(logits[:, : k_max + 1], who))
+        if len(rows) == 1 and rows[0].params.coupled is None:  # a row alone that samples: the specification itself
+            p = _probs_by_params(logits[:, : k_max + 1], rows, who)[0]  # checks the logits
+            q = None if probs is None or k_max == 0 or (one_hot is not None and one_hot[0]) else probs[0, :k_max]
+            draft = torch.tensor(drafts[0], dtype=torch.long, device=logits.device)
+            return [verify_chain(draft, q, p, rows[0].generator)]
         if k_max == 0 and all(r.params.coupled is None for r in rows):  # sampled plain steps: the bonus token
-            probs = _probs_by_params(logits[:, :1], rows, who)  # checks the logits
-            return [Verdict(0, int(sample(probs[b, 0], r.generator)), "bonus") for b, r in enumerate(rows)]
+            p = _probs_by_params(logits[:, :1], rows, who)  # checks the logits
+            return [Verdict(0, int(sample(p[b, 0], r.generator)), "bonus") for b, r in enumerate(rows)]
         tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in drafts], dtype=torch.long,
                               device=logits.device).reshape(len(rows), k_max)  # (B, K)
         q = None if probs is None or k_max == 0 else probs[:, :k_max]

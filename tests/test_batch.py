@@ -76,15 +76,10 @@ def test_ragged_verifier_forced_paths():
 
 
 @settings(max_examples=200, deadline=None)
-@given(ragged_batches(), st.booleans(), st.booleans())
-def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties, lists):
+@given(ragged_batches(), st.booleans())
+def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties):
     """A greedy target's p is one-hot on its argmax: verify_greedy_rows, from the choices alone,
-    gives the specification's verdict whatever q is (one-hot or not); drafts made to agree often;
-    on lists (a few rows) and on tensors (many)."""
-    import specdec.ragged
-
-    saved = specdec.ragged.SMALL_VERDICT
-    specdec.ragged.SMALL_VERDICT = saved if lists else 0
+    gives the specification's verdict whatever q is (one-hot or not); drafts made to agree often."""
     tokens, lens, draft_probs, one_hot, target_probs, seed = batch
     n_rows, k_plus = target_probs.shape[:2]
     choices = target_probs.argmax(-1)  # (B, K+1)
@@ -96,10 +91,7 @@ def test_greedy_verifier_equals_the_specification_with_one_hot_p(batch, ties, li
     p = torch.nn.functional.one_hot(choices, target_probs.shape[-1]).float()
     gens = [torch.Generator().manual_seed(seed + b) for b in range(n_rows)]
     expected = verify_rows_reference(tokens, lens, draft_probs, one_hot, p, gens)
-    try:
-        assert verify_greedy_rows(tokens, lens, choices).rows() == expected
-    finally:
-        specdec.ragged.SMALL_VERDICT = saved
+    assert verify_greedy_rows(tokens, lens, choices).rows() == expected
 
 
 def test_a_step_verifies_greedy_and_sampled_rows_together_as_each_alone():
@@ -121,6 +113,43 @@ def test_a_step_verifies_greedy_and_sampled_rows_together_as_each_alone():
         want = _verdict(logits[b:b + 1], [alone], tokens[b:b + 1], lens[b:b + 1], None, None, "t").rows()[0]
         assert got[b] == want
     assert got[0].n_accepted == 3 and got[0].next_kind == "bonus"
+
+
+@pytest.mark.parametrize("case", ["greedy rows", "a sampled row alone", "a one-hot row alone",
+                                  "sampled plain steps", "mixed rows"])
+def test_the_steps_verification_gives_the_ragged_verdicts(case):
+    """`BatchEngine._verify_chains` takes shorter ways (greedy rows from the target's choices, a
+    sampled row alone by `verify_chain`, sampled rows that drafted nothing by one draw from p):
+    the same verdicts, and the same draws from each row's generator, as `_verdict` on the
+    padded batch."""
+    from types import SimpleNamespace
+
+    from specdec.batch import _verdict
+
+    g = torch.Generator().manual_seed(5)
+    vocab, k = 13, 3
+    temps, lens = {"greedy rows": ([0.0, 0.0, 0.0], [3, 0, 2]), "a sampled row alone": ([1.0], [3]),
+                   "a one-hot row alone": ([0.7], [2]), "sampled plain steps": ([1.0, 0.7, 1.0], [0, 0, 0]),
+                   "mixed rows": ([0.0, 1.0, 1.0], [2, 3, 0])}[case]
+    engine = SimpleNamespace(target=SimpleNamespace(name="t"))
+    for trial in range(40):
+        n_rows, k_max = len(temps), max(lens)
+        logits = torch.randn(n_rows, k_max + 1, vocab, generator=g) * 2
+        drafts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+        for b, n in enumerate(lens):  # greedy rows: drafts that agree for a while
+            if temps[b] == 0.0 and n:
+                drafts[b][: trial % (n + 1)] = logits[b, : trial % (n + 1)].argmax(-1).tolist()
+        probs = torch.softmax(torch.randn(n_rows, max(k_max, 1), vocab, generator=g), -1)
+        one_hot = [case == "a one-hot row alone" or t == 0.0 for t in temps]
+
+        mine, theirs = ([Request([1, 2], 8, SamplingParams(t), k, seed=100 * trial + b) for b, t in enumerate(temps)]
+                        for _ in range(2))
+        got = BatchEngine._verify_chains(engine, logits, mine, drafts, probs, one_hot)  # type: ignore[arg-type]
+        tokens = torch.tensor([d + [-1] * (k_max - len(d)) for d in drafts], dtype=torch.long).reshape(n_rows, k_max)
+        want = _verdict(logits, theirs, tokens, lens, None if k_max == 0 else probs[:, :k_max], one_hot, "t").rows()
+        assert got == want, (case, trial)
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a.generator.get_state(), b.generator.get_state())
 
 
 # ----------------------------------------------------------------- the batched Llama path

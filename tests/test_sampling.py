@@ -123,12 +123,10 @@ def test_sample_is_the_first_id_past_u_times_the_total(size):
             assert int(sample(probs.double(), g)) == _inverse_cdf(probs.double(), u)
 
 
-@pytest.mark.parametrize("as_lists", [False, True])
-def test_checked_argmax_is_argmax_and_raises_what_check_logits_raises(as_lists):
-    from specdec.sampling import SMALL_ARGMAX, checked_argmax, checked_choices
+def test_checked_argmax_is_argmax_and_raises_what_check_logits_raises():
+    from specdec.sampling import SMALL_ARGMAX, checked_argmax
 
-    def picks(x, who="model"):  # checked_choices: the same picks and errors, as lists
-        return torch.tensor(checked_choices(x, who)) if as_lists else checked_argmax(x, who)
+    picks = checked_argmax
 
     g = torch.Generator().manual_seed(3)
     for shape in [(1, 49_152), (3, 2, 1000), (SMALL_ARGMAX // 1000 + 1, 1000)]:  # NumPy's path, then PyTorch's

@@ -64,7 +64,7 @@ from specdec.rowprophets import (
     in_row_order,
 )
 from specdec.rows import BatchLM
-from specdec.sampling import SamplingParams, checked_argmax, checked_choices, couple, logits_to_probs, sample
+from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
 from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
@@ -227,7 +227,7 @@ class BatchEngine:
         k_max = max(lens)
         who = f"target '{self.target.name}'"
         if all(r.params.greedy and r.params.coupled is None for r in rows):  # the target's choices alone
-            return greedy_verdicts(drafts, checked_choices(logits[:, : k_max + 1], who))
+            return greedy_verdicts(drafts, checked_argmax(logits[:, : k_max + 1], who).tolist())
         if len(rows) == 1 and rows[0].params.coupled is None:  # a row alone that samples: the specification itself
             p = _probs_by_params(logits[:, : k_max + 1], rows, who)[0]  # checks the logits
             q = None if probs is None or k_max == 0 or (one_hot is not None and one_hot[0]) else probs[0, :k_max]

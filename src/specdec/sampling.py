@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -130,17 +129,6 @@ def checked_argmax(logits: torch.Tensor, who: str = "model") -> torch.Tensor:
     if not bool(torch.isfinite(logits.gather(-1, ids[..., None])).all()):
         check_logits(logits, who)
     return ids
-
-
-def checked_choices(logits: torch.Tensor, who: str = "model") -> list[Any]:
-    """`checked_argmax` as nested lists of ids (B, K+1 logits -> B lists): what a greedy
-    verdict compares drafts with, without a tensor in between for a row alone."""
-    if _small(logits):
-        picks, tops = _numpy_picks(logits)
-        if not np.isfinite(tops).all():
-            check_logits(logits, who)
-        return picks.tolist()  # type: ignore[no-any-return]
-    return checked_argmax(logits, who).tolist()  # type: ignore[no-any-return]
 
 
 def _small(x: torch.Tensor) -> bool:

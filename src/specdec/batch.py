@@ -722,7 +722,6 @@ class BatchEngine:
         saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
                  for r in rows]
         features = self.prophet is not None and self.prophet.reads_features
-        who = f"target '{self.target.name}'"
         fresh: list[torch.Tensor | None] = [None] * n_rows
 
         def put_back() -> None:  # after every timed call
@@ -740,9 +739,8 @@ class BatchEngine:
             if not params.greedy and q_max is None:
                 q_max = torch.full((n_rows, max(sizes) - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
                                    device=logits.device)
-            drafts = torch.zeros(n_rows, n - 1, dtype=torch.long, device=logits.device)
-            _verdict(logits, rows, drafts, [n - 1] * n_rows, None if q_max is None else q_max[:, : n - 1],
-                     [params.greedy] * n_rows, who)
+            # the step's own verification (`_verify_chains`, its shorter ways included), so the costs are the step's
+            self._verify_chains(logits, rows, [[0] * (n - 1)] * n_rows, q_max, [params.greedy] * n_rows)
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
             chains(part)(rows, [k] * n_rows)

@@ -114,6 +114,40 @@ def test_exported_ids_rebuild_the_same_shards_features_included(tmp_path):
                 assert float(err.max()) < 0.05 and float(err.mean()) < 0.02, (key, float(err.max()))
 
 
+def test_more_grows_the_prompt_list_and_answers_only_the_new_prompts(tmp_path):
+    """generate(more=True) with a new seed appends prompts not already in the list (compared
+    without case and punctuation), each marked with its seed, leaves the old prompts and their
+    shards as they were, answers the new batches, and changes nothing when rerun; the seeds
+    survive an export and an ids-only rebuild, so a rebuilt folder can grow again."""
+    from specdec.train.magpie import _key, export_ids, features_from_ids, generate
+
+    out = tmp_path / "broad"
+    torch.manual_seed(0)
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=4, seed=1, log=lambda *a: None)
+    old = torch.load(out / "prompts.pt", weights_only=False)
+    shards = sorted(out.glob("shard-*.pt"))
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=4, seed=2, log=lambda *a: None,
+             more=True)
+    grown = torch.load(out / "prompts.pt", weights_only=False)
+    assert grown[: len(old)] == old and len(grown) > len(old)
+    fresh = grown[len(old):]
+    assert all(q["seed"] == 2 for q in fresh)
+    assert not {_key(q["text"]) for q in fresh} & {_key(q["text"]) for q in old}
+    assert [s.stat().st_mtime_ns for s in shards] == stamps  # the old batches are not answered again
+    now = sorted(out.glob("shard-*.pt"))
+    assert len(now) == -(-len(grown) // 4) and now[: len(shards)] == shards
+    stamps = [s.stat().st_mtime_ns for s in now]
+    generate("smollm2", out, n_magpie=2, n_tasks=8, batch_size=4, max_new=4, seed=2, log=lambda *a: None,
+             more=True)
+    assert torch.load(out / "prompts.pt", weights_only=False) == grown
+    assert [s.stat().st_mtime_ns for s in now] == stamps
+    export_ids(out, tmp_path / "ids.npz")
+    again = features_from_ids(tmp_path / "ids.npz", tmp_path / "again", log=lambda *a: None, features=False)
+    assert torch.load(again / "prompts.pt", weights_only=False) == grown
+    assert all("hidden" not in torch.load(s, weights_only=False) for s in again.glob("shard-*.pt"))
+
+
 def test_the_int4_engine_answers_ids_only_and_the_features_come_after(tmp_path):
     """engine="int4": the decoder users run answers (token ids, the EOS kept, as generate gives
     them alone for the same seed), then `add_features` gives every shard the features the

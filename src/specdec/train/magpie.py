@@ -174,7 +174,7 @@ def magpie_questions(lm: BatchLlama, tokenizer: Any, n: int, batch: int, gen: to
             if not toks or toks[-1] != end:
                 continue  # no closing token: cut off or rambling
             text = tokenizer.decode(toks[:-1]).strip()
-            key = re.sub(r"\W+", " ", text.lower()).strip()
+            key = _key(text)
             if good_question(text) and key not in seen:
                 seen.add(key)
                 found.append(text)
@@ -189,6 +189,42 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     path = work / "prompts.pt"
     if path.exists():
         return torch.load(path, weights_only=False)
+    prompts = new_prompts(lm, tokenizer, n_magpie, n_tasks, seed, log)
+    torch.save(prompts, path)
+    return prompts
+
+
+def _key(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def extend_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_tasks: int, seed: int,
+                   log: Any = print) -> list[dict[str, str]]:
+    """work/prompts.pt grown by a new list drawn with `seed` (which must differ from the seeds
+    of the lists already there), less the prompts already in it (compared without case and
+    punctuation). The old prompts keep their places, so their shards stay valid, and the new
+    ones start at the next whole batch's place only if the old list fills its last batch: a
+    partial last batch that was answered keeps its shard, and the new prompts that fall into
+    it are not answered (at most batch_size - 1 of them). Each new prompt records its seed, so
+    a rerun with the same seed (a resumed run) changes nothing."""
+    path = work / "prompts.pt"
+    old = torch.load(path, weights_only=False)
+    if any(q.get("seed", 0) == seed for q in old):
+        return old  # this seed's prompts are there (a resumed run)
+    seen = {_key(q["text"]) for q in old}
+    fresh = [{**q, "seed": seed} for q in new_prompts(lm, tokenizer, n_magpie, n_tasks, seed, log)
+             if _key(q["text"]) not in seen]
+    prompts = old + fresh
+    log(f"prompts: {len(fresh)} new ones after {len(old)}")
+    save_atomic(prompts, path)
+    return prompts
+
+
+def new_prompts(lm: BatchLlama, tokenizer: Any, n_magpie: int, n_tasks: int, seed: int,
+                log: Any = print) -> list[dict[str, str]]:
+    """A shuffled prompt list drawn with `seed`: n_magpie questions the target writes, and
+    n_tasks task prompts (templates, passages the target writes with requests over them, and
+    some of the project's own chat prompts)."""
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     questions = magpie_questions(lm, tokenizer, n_magpie, min(128, max(1, n_magpie)), gen, log)
@@ -216,19 +252,19 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     own = chat_prompts(n_tasks // 12 + 1, heldout=False, seed=seed + 7)[: n_tasks // 3]
     prompts += [{"category": "own-" + p.category, "text": p.text} for p in own]
     random.Random(seed).shuffle(prompts)
-    torch.save(prompts, path)
     return prompts
 
 
 def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size: int = 128, max_new: int = 256,
              temperatures: tuple[float, ...] = (0.0, 0.7, 1.0), seed: int = 0, minutes: float | None = None,
-             log: Any = print, engine: str = "bf16") -> Path:
+             log: Any = print, engine: str = "bf16", more: bool = False) -> Path:
     """engine "bf16": the answers by this module's own batched bf16 pass, features kept as they
     are computed; "int4": by the decoder users run (`specdec.load(target, draft="none")`, the
     one loop's batched rows: on SmolLM2 the GGUF's 4-bit blocks), token ids only, the features
     added afterwards by `add_features` (one teacher-forced pass). On a 2-core AMD EPYC
     (avx512_bf16): bf16 answered ~115-220 tokens/s, int4 379 (64 rows), and the teacher-forced
-    pass reads 600-970 positions/s."""
+    pass reads 600-970 positions/s. more: grow out_dir's prompt list with one drawn from
+    `seed` (`extend_prompts`) and answer the new ones too."""
     from specdec.wiring import default_draft_dtype, load_pretrained
 
     if engine not in ("bf16", "int4"):
@@ -236,7 +272,10 @@ def generate(target: str, out_dir: Path, n_magpie: int, n_tasks: int, batch_size
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_pretrained(target, default_draft_dtype())
     lm = BatchLlama(model, target, batch_size)
-    prompts = build_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
+    if more:
+        prompts = extend_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
+    else:
+        prompts = build_prompts(lm, tokenizer, out_dir, n_magpie, n_tasks, seed, log)
     ids = [chat_ids(tokenizer, p["text"]) for p in prompts]
     batches = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
     deadline = time.monotonic() + minutes * 60 if minutes is not None else None  # 0: answer nothing more
@@ -308,6 +347,7 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, prompt_texts=np.array([q["text"] for q in prompts]),
                         prompt_categories=np.array([q["category"] for q in prompts]),
+                        prompt_seeds=np.array([q.get("seed", 0) for q in prompts], dtype=np.int64),
                         tokens=np.array([t for s in ids for t in s], dtype=np.uint16),
                         lengths=np.array([len(s) for s in ids], dtype=np.int32),
                         prompt_len=np.array(meta["prompt_len"], dtype=np.int32),
@@ -371,7 +411,7 @@ def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: A
 
 
 def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: int = 32,
-                      log: Any = print) -> Path:
+                      log: Any = print, features: bool = True) -> Path:
     """Shards as `generate` writes them, rebuilt from an `export_ids` file: the target reads
     each sequence once (teacher forcing, bf16 where the CPU computes it natively), keeping its
     last feature and the fused layers' outputs at every position but the last; sequences of
@@ -387,15 +427,17 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
     z = np.load(path)
     if "prompt_texts" in z and len(z["prompt_texts"]) and not (out_dir / "prompts.pt").exists():
         # the whole prompt list: `generate` into out_dir (same batch size) answers the batches not answered yet
-        torch.save([{"category": str(c), "text": str(t)} for c, t in zip(z["prompt_categories"], z["prompt_texts"],
-                                                                         strict=True)], out_dir / "prompts.pt")
+        seeds = z["prompt_seeds"] if "prompt_seeds" in z else np.zeros(len(z["prompt_texts"]), dtype=np.int64)
+        torch.save([{"category": str(c), "text": str(t), **({"seed": int(s)} if s else {})}
+                    for c, t, s in zip(z["prompt_categories"], z["prompt_texts"], seeds, strict=True)],
+                   out_dir / "prompts.pt")
     for bi, group in sorted(by_shard.items()):
         shard_path = out_dir / f"shard-{bi:05d}.pt"
         if shard_path.exists():
             continue
         save_atomic({"ids": [s["ids"] for s in group], "prompt_len": [s["prompt_len"] for s in group],
                      "category": [s["category"] for s in group], "temperature": group[0]["temperature"]}, shard_path)
-    return add_features(out_dir, target, rows, log)
+    return add_features(out_dir, target, rows, log) if features else out_dir
 
 
 if __name__ == "__main__":
@@ -419,6 +461,12 @@ if __name__ == "__main__":
                     help="who answers: this module's bf16 pass (features kept), or the decoder users run (int4 on "
                          "SmolLM2, ~2-3x faster here; ids only, then --features)")
     ap.add_argument("--features", action="store_true", help="add features to --out's shards that lack them")
+    ap.add_argument("--more", action="store_true",
+                    help="grow --out's prompt list by --magpie and --tasks new prompts drawn with --seed (not a seed "
+                         "used before), then answer the new ones")
+    ap.add_argument("--ids-only", action="store_true",
+                    help="with --from-ids: write the shards' ids and the prompt list, no features (then --engine int4 "
+                         "--more answers more; --features adds them for all)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -426,10 +474,10 @@ if __name__ == "__main__":
         print(export_ids(a.out, a.export))
         raise SystemExit(0)
     if a.from_ids is not None:
-        features_from_ids(a.from_ids, a.out)
+        features_from_ids(a.from_ids, a.out, features=not a.ids_only)
         raise SystemExit(0)
     if a.features:
         add_features(a.out)
         raise SystemExit(0)
     generate("smollm2", a.out, a.magpie, a.tasks, a.batch_size, a.max_new, seed=a.seed, minutes=a.minutes,
-             engine=a.engine)
+             engine=a.engine, more=a.more)

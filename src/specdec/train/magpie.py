@@ -209,7 +209,7 @@ def extend_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_
     a rerun with the same seed (a resumed run) changes nothing."""
     path = work / "prompts.pt"
     old = torch.load(path, weights_only=False)
-    if any(q.get("seed", 0) == seed for q in old):
+    if any(q.get("seed") == seed for q in old):
         return old  # this seed's prompts are there (a resumed run)
     seen = {_key(q["text"]) for q in old}
     fresh = [{**q, "seed": seed} for q in new_prompts(lm, tokenizer, n_magpie, n_tasks, seed, log)
@@ -347,7 +347,7 @@ def export_ids(data_dir: Path, path: Path) -> dict[str, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, prompt_texts=np.array([q["text"] for q in prompts]),
                         prompt_categories=np.array([q["category"] for q in prompts]),
-                        prompt_seeds=np.array([q.get("seed", 0) for q in prompts], dtype=np.int64),
+                        prompt_seeds=np.array([q.get("seed", -1) for q in prompts], dtype=np.int64),  # -1: unmarked
                         tokens=np.array([t for s in ids for t in s], dtype=np.uint16),
                         lengths=np.array([len(s) for s in ids], dtype=np.int32),
                         prompt_len=np.array(meta["prompt_len"], dtype=np.int32),
@@ -427,8 +427,8 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
     z = np.load(path)
     if "prompt_texts" in z and len(z["prompt_texts"]) and not (out_dir / "prompts.pt").exists():
         # the whole prompt list: `generate` into out_dir (same batch size) answers the batches not answered yet
-        seeds = z["prompt_seeds"] if "prompt_seeds" in z else np.zeros(len(z["prompt_texts"]), dtype=np.int64)
-        torch.save([{"category": str(c), "text": str(t), **({"seed": int(s)} if s else {})}
+        seeds = z["prompt_seeds"] if "prompt_seeds" in z else np.full(len(z["prompt_texts"]), -1, dtype=np.int64)
+        torch.save([{"category": str(c), "text": str(t), **({"seed": int(s)} if s >= 0 else {})}
                     for c, t, s in zip(z["prompt_categories"], z["prompt_texts"], seeds, strict=True)],
                    out_dir / "prompts.pt")
     for bi, group in sorted(by_shard.items()):

@@ -174,8 +174,9 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
     float32 = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=4)
     assert decoder.costs_key()["int4"] and not float32.costs_key()["int4"]
     assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in KERNELS[1:]
-    assert {k: v for k, v in decoder.costs_key().items() if not k.startswith("int4")} == \
-        {k: v for k, v in float32.costs_key().items() if not k.startswith("int4")}
+    assert (decoder.costs_key()["kv_dtype"], float32.costs_key()["kv_dtype"]) == ("torch.float16", "torch.float32")
+    assert {k: v for k, v in decoder.costs_key().items() if not k.startswith(("int4", "kv_dtype"))} == \
+        {k: v for k, v in float32.costs_key().items() if not k.startswith(("int4", "kv_dtype"))}
 
 
 def test_the_default_dtype_is_int4_for_a_gguf_target_and_float32_for_other_models(tiny_pair):

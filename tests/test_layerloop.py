@@ -200,3 +200,42 @@ def test_one_query_attention_is_its_documented_arithmetic_bit_for_bit(built):
             got = ext.attend_one(q, keys, values, end)[0, :, 0].numpy()
             want = _attend_reference(q[0, :, 0].numpy(), keys[0].numpy(), values[0].numpy(), end)
             assert np.array_equal(got, want), (hd, end, np.abs(got - want).max())
+
+
+def test_a_float16_cache_is_read_as_its_exact_float32_values(built):
+    """attend_one over float16 keys and values computes exactly what it computes over the same
+    values converted to float32 (every float16 value is a float32 one): the cache's dtype changes
+    what is stored, never the arithmetic; on and off the vectorized paths; mixed dtypes are an error."""
+    ext = layerloop.kernels()
+    gen = torch.Generator().manual_seed(12)
+    for hd in (64, 128, 32):
+        for end in (1, 9, 37, 200):
+            q = torch.randn(1, 6, 1, hd, generator=gen)
+            keys, values = (torch.randn(2, 1, 2, 210, hd, generator=gen) * 2).half()
+            got = ext.attend_one(q, keys, values, end)
+            assert torch.equal(got, ext.attend_one(q, keys.float(), values.float(), end)), (hd, end)
+    with pytest.raises(RuntimeError, match="float16"):
+        ext.attend_one(q, keys, values.float(), 5)
+
+
+def test_a_4bit_target_keeps_its_cache_in_float16_and_both_loops_agree(monkeypatch, built, tiny_pair):
+    """The cache's dtype (SPECDEC_KV_DTYPE, "auto": float16 for a 4-bit target on the CPU): a
+    float32 model with a float16 cache computes the same bits in the C++ and Python loops (keys
+    and values rounded alike as they are written); its memory per position is half; the
+    float32 choice keeps float32; an unknown choice is an error naming the choices."""
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "float16")
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    assert lm.kv_dtype == torch.float16
+    (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
+    assert cpp_cache[0][0].dtype == torch.float16
+    assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
+    wide = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    assert wide.kv_dtype == torch.float32 and wide.position_bytes() == 2 * lm.position_bytes()
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "auto")
+    assert load(tiny_pair["target"], draft="none", dtype="float32").target.rows.kv_dtype == torch.float32
+    assert load("smollm2", draft="none", dtype="int4").target.rows.kv_dtype == torch.float16
+    assert load(tiny_pair["target"], draft="none", dtype="bfloat16").target.rows.kv_dtype == torch.bfloat16
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "half")
+    with pytest.raises(ValueError, match="auto, float32, float16"):
+        load(tiny_pair["target"], draft="none", dtype="float32")

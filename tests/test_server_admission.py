@@ -13,8 +13,8 @@ from specdec.fastllama import BatchLlama, grown_capacity
 from tests.server_fixtures import ServerProcess
 
 PROMPT_TOKENS, MAX_TOKENS, REQUESTS = 200, 8, 6
-# SmolLM2-135M's cache per position: keys and values, 30 layers, 3 KV heads of 64, float32
-POSITION_BYTES = 2 * 30 * 3 * 64 * 4
+# SmolLM2-135M's cache per position: keys and values, 30 layers, 3 KV heads of 64, float16 (a 4-bit target's)
+POSITION_BYTES = 2 * 30 * 3 * 64 * 2
 NEED = POSITION_BYTES * grown_capacity(PROMPT_TOKENS + MAX_TOKENS + 1, BatchLlama.INITIAL_CAPACITY, 8192)
 
 

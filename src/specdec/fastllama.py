@@ -161,6 +161,29 @@ def grown_capacity(positions: int, initial: int, max_length: int) -> int:
     return size
 
 
+KV_DTYPES = ("auto", "float32", "float16")
+
+
+def kv_dtype_for(lm: Any) -> torch.dtype:
+    """The dtype a lean model's KV cache holds. SPECDEC_KV_DTYPE chooses: "auto" (the default) keeps
+    keys and values in float16 where the model is a 4-bit target with float32 activations on the
+    CPU (as llama.cpp keeps its cache: half the memory, and at long contexts a step streams half
+    the bytes), else in the model's dtype; "float32" or "float16" force that dtype for float32
+    models (bfloat16 and float16 models keep their own). Every read converts float16 to float32
+    exactly, so a cache of either dtype is read alike by every path (steps, verification passes,
+    prompt blocks, trees): exactness never depends on it."""
+    import os
+
+    want = os.environ.get("SPECDEC_KV_DTYPE", "auto").strip().lower() or "auto"
+    if want not in KV_DTYPES:
+        raise ValueError(f"SPECDEC_KV_DTYPE must be one of {', '.join(KV_DTYPES)}, got {want!r}")
+    if lm.embed.dtype != torch.float32:
+        return lm.embed.dtype
+    if want == "auto":
+        return torch.float16 if lm.int4 and lm.embed.device.type == "cpu" else torch.float32
+    return torch.float16 if want == "float16" else torch.float32
+
+
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
                     gqa: bool, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
@@ -181,8 +204,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         if b - a == 1:
             parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa))
         else:
-            parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b],
-                                                        values[:, :, :start + b],
+            parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b].to(q.dtype),
+                                                        values[:, :, :start + b].to(q.dtype),
                                                         attn_mask=causal_mask(b - a, start + a, q.device),
                                                         enable_gqa=gqa))
         a = b
@@ -201,7 +224,8 @@ def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: in
         ext = layerloop.kernels()
         if ext is not None:
             return ext.attend_one(q, keys, values, end)  # type: ignore[no-any-return]
-    return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, keys[:, :, :end].to(q.dtype), values[:, :, :end].to(q.dtype),
+                                          enable_gqa=gqa)
 
 
 class LlamaWeights:
@@ -424,6 +448,7 @@ class BatchLlama(LlamaWeights):
         self.exact_rows = self.bucket_rows
         # Leading (prompt) queries attend in chunks of this many positions, aligned to it
         self.attention_chunk = PREFILL_CHUNK
+        self.kv_dtype = kv_dtype_for(self)  # what the slots' caches hold (float16 for a 4-bit target)
 
     def view(self, slots: int) -> BatchLlama:
         """Another model of `slots` slots over the same (fused, possibly quantized) weights,
@@ -435,7 +460,7 @@ class BatchLlama(LlamaWeights):
 
     def position_bytes(self) -> int:
         """Bytes of keys and values one position of one slot holds (all layers)."""
-        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
+        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.kv_dtype.itemsize
 
     def capacity_for(self, positions: int) -> int:
         """Positions a slot's buffer holds once its request reaches `positions`: doubling from
@@ -481,7 +506,7 @@ class BatchLlama(LlamaWeights):
             return k_old, v_old
         size = self.capacity_for(end)
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
-        k = torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
+        k = torch.zeros(shape, dtype=self.kv_dtype, device=self.embed.device)
         v = torch.zeros_like(k)
         if k_old is not None and v_old is not None:
             k[:, :, :capacity], v[:, :, :capacity] = k_old, v_old
@@ -513,8 +538,9 @@ class BatchLlama(LlamaWeights):
                                            tree.node_keys, gqa)
             elif tree is not None:  # a token tree: each node sees the context, the chain and its ancestors
                 end = start + n_new
-                one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end],
-                                                     values[i][None, :, :end], attn_mask=tree.mask, enable_gqa=gqa)
+                one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end].to(q.dtype),
+                                                     values[i][None, :, :end].to(q.dtype), attn_mask=tree.mask,
+                                                     enable_gqa=gqa)
             else:
                 solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
                 one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,

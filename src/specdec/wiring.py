@@ -154,14 +154,15 @@ def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | Non
     return n_tok
 
 
-def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto") -> Any:
-    """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's."""
+def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto", kv_dtype: str | None = None) -> Any:
+    """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's.
+    kv_dtype: the lean path's KV cache (`specdec.fastllama.kv_dtype_for`; transformers keeps its own)."""
     from specdec.fastllama import FastLlamaLM, supports
 
     if backend not in ("auto", "hf", "fast"):
         raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
     if backend == "fast" or (backend == "auto" and supports(model)):
-        return FastLlamaLM(model, name, vocab_size)
+        return FastLlamaLM(model, name, vocab_size, kv_dtype=kv_dtype)
     return HFCausalLM(model, name, vocab_size)
 
 

@@ -110,3 +110,13 @@ def test_chat_refuses_bad_input_in_one_line(tiny_pair, capsys):
     assert capsys.readouterr().err.strip().count("\n") == 0
     assert main(["chat", "--target", tiny_pair["target"], "--draft", "none"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_a_bad_argument_is_one_line_on_stderr_and_exit_code_2(capsys):
+    """argparse's errors (an unknown choice, a value of the wrong type, an unknown command) are one
+    line naming what is wrong, with no usage block, and exit code 2."""
+    for argv in (["generate", "hi", "--kv-dtype", "half"], ["generate", "--max-new-tokens", "x", "hi"], ["bogus"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and "error:" in err and "usage" not in err, (argv, err)

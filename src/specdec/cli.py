@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SAMPLING_RULE, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P
 from specdec.errors import SpecdecError
@@ -422,8 +422,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (what is wrong and what the choices are), exit code 2,
+    without the usage block: `specdec COMMAND --help` shows that."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text, printing it as it is verified")

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from specdec.defaults import MAX_BRANCHES, default_draft_tokens_for, default_prophet_for, default_target
+from specdec.defaults import (
+    KV_DTYPES,
+    MAX_BRANCHES,
+    choice,
+    default_draft_tokens_for,
+    default_prophet_for,
+    default_target,
+)
 from specdec.engine import SpeculativeDecoder
 from specdec.int4 import INT4, attach_int4
 from specdec.policy import make_policy
@@ -88,7 +95,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     auto. Reads convert float16 exactly, so exactness never depends on it.
     """
     prefix_mb = check_prefix_cache_mb(prefix_cache_mb)  # before anything loads
-    check_kv_dtype(kv_dtype)
+    choice("SPECDEC_KV_DTYPE", KV_DTYPES, kv_dtype, "kv_dtype")  # an argument, else the variable, before loading
     check_branches(branches)
     target_name = target or default_target()
     if draft == "default":  # a shipped prophet only fits the target it was made for
@@ -120,14 +127,6 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     decoder.prefix_cache_mb = prefix_mb
     decoder.branches = branches
     return decoder
-
-
-def check_kv_dtype(kv_dtype: str | None) -> None:
-    """`load`'s kv_dtype: None or one of `specdec.fastllama.KV_DTYPES` (checked before anything loads)."""
-    from specdec.fastllama import KV_DTYPES
-
-    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype.strip().lower() not in KV_DTYPES):
-        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
 def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import layerloop
-from specdec.defaults import PREFILL_CHUNK, attention_block_end
+from specdec.defaults import KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_depths, tree_layout
@@ -161,9 +161,6 @@ def grown_capacity(positions: int, initial: int, max_length: int) -> int:
     return size
 
 
-KV_DTYPES = ("auto", "float32", "float16")
-
-
 def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
     """The dtype a lean model's KV cache holds. `want` (`load(kv_dtype=...)`, `--kv-dtype`), else
     SPECDEC_KV_DTYPE, chooses: "auto" (the default) keeps
@@ -173,14 +170,9 @@ def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
     models (bfloat16 and float16 models keep their own). Every read converts float16 to float32
     exactly, so a cache of either dtype is read alike by every path (steps, verification passes,
     prompt blocks, trees): exactness never depends on it."""
-    import os
-
     if isinstance(want, torch.dtype):
         want = {torch.float32: "float32", torch.float16: "float16"}.get(want, str(want))
-    source = "kv_dtype" if want is not None else "SPECDEC_KV_DTYPE"
-    want = (want if want is not None else os.environ.get("SPECDEC_KV_DTYPE", "auto")).strip().lower() or "auto"
-    if want not in KV_DTYPES:
-        raise ValueError(f"{source} must be one of {', '.join(KV_DTYPES)}, got {want!r}")
+    want = choice("SPECDEC_KV_DTYPE", KV_DTYPES, want, "kv_dtype")
     if lm.embed.dtype != torch.float32:
         return lm.embed.dtype
     if want == "auto":

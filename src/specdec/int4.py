@@ -95,11 +95,9 @@ def kernel_choice() -> str:
       float32, bf16 and the other kernels say Paris: blocks8 is never the default.
     A blocks kernel asked for where the extension cannot build (or blocks16 on a CPU without
     avx512_bf16) is an error that says why."""
-    import os
+    from specdec.defaults import choice
 
-    want = os.environ.get("SPECDEC_INT4_KERNEL", "auto").strip().lower() or "auto"
-    if want not in KERNELS:
-        raise ValueError(f"SPECDEC_INT4_KERNEL must be one of {', '.join(KERNELS)}, got {want!r}")
+    want = choice("SPECDEC_INT4_KERNEL", KERNELS)
     if want == "auto":
         if not qgemm.available():
             return "torch"

@@ -19,13 +19,12 @@ here) or "python" (always the Python loop, e.g. to compare).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from specdec import qgemm
-from specdec.defaults import fine_block
+from specdec.defaults import choice, fine_block
 from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
@@ -36,10 +35,7 @@ _FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_1x16": 0, "Q8_0x16": 1}  # ...x16: in pane
 
 def loop_choice() -> str:
     """SPECDEC_LAYER_LOOP: "auto" (C++ where it applies) or "python"."""
-    want = os.environ.get("SPECDEC_LAYER_LOOP", "auto").strip().lower() or "auto"
-    if want not in LOOPS:
-        raise ValueError(f"SPECDEC_LAYER_LOOP must be one of {', '.join(LOOPS)}, got {want!r}")
-    return want
+    return choice("SPECDEC_LAYER_LOOP", LOOPS)
 
 
 def kernels() -> Any:

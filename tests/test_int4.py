@@ -204,6 +204,7 @@ def _assert_two_token_samples_fit(tiny_pair) -> None:
     """Chi-square of the int4 tiny pair's speculative two-token continuations (K 3, a close
     prophet) against the exact distribution of its one-token steps."""
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=3, dtype="int4")
+    assert decoder.target.rows.kv_dtype == torch.float16  # so this certifies the float16 cache too
     prompt = decoder.tokenizer("def add(a, b):\n    return")["input_ids"]
     lm = decoder.target.fresh()
     first = torch.softmax(lm.forward(prompt, 1)[0], -1)

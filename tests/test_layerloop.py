@@ -243,8 +243,9 @@ def test_a_4bit_target_keeps_its_cache_in_float16_and_both_loops_agree(monkeypat
 
 def test_load_and_the_cli_choose_the_cache_dtype(monkeypatch, tiny_pair):
     """`load(kv_dtype=...)` chooses the cache's dtype over $SPECDEC_KV_DTYPE; a bad name is an
-    error naming the choices before anything loads; the CLI's --kv-dtype reaches `load`, and an
-    unknown value exits 2."""
+    error naming the choices before anything loads; the CLI's --kv-dtype reaches the model a
+    command runs (a whole `specdec generate`), and an unknown value exits 2."""
+    from specdec import api
     from specdec.cli import main
 
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
@@ -254,10 +255,17 @@ def test_load_and_the_cli_choose_the_cache_dtype(monkeypatch, tiny_pair):
     with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16"):
         load(tiny_pair["target"], draft="none", kv_dtype="half")
     seen = []
-    monkeypatch.setattr("specdec.api.load", lambda *a, **kw: seen.append(kw.get("kv_dtype")) or (_ for _ in ()).throw(
-        ValueError("stop here")))
-    assert main(["generate", "x", "--target", tiny_pair["target"], "--draft", "none", "--kv-dtype", "float16"]) == 2
-    assert seen == ["float16"]
+    real_load = api.load
+
+    def spy(*args, **kwargs):
+        decoder = real_load(*args, **kwargs)
+        seen.append(decoder.target.rows.kv_dtype)
+        return decoder
+
+    monkeypatch.setattr("specdec.api.load", spy)
+    assert main(["generate", "def f(", "--target", tiny_pair["target"], "--draft", tiny_pair["close"],
+                 "--kv-dtype", "float16", "--temperature", "0", "--max-new-tokens", "8", "--compare"]) == 0
+    assert seen == [torch.float16]
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "x", "--kv-dtype", "half"])
     assert exit_.value.code == 2

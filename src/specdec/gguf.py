@@ -181,6 +181,11 @@ def read_tensors(path: Path) -> dict[str, TensorBlocks]:
             tensors[name] = TensorBlocks(quant.name, tuple(int(d) for d in reversed(dims)), data)
     except (ValueError, KeyError, struct.error, IndexError) as e:
         raise ModelLoadError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    finally:
+        # skip() refers to itself through its closure, a cycle that would keep `buf`, and through it the
+        # whole file's mapping (its pages read while loading: ~94 MiB of a process's memory for SmolLM2),
+        # until the garbage collector happens to run: the mapping goes with the last tensor instead
+        buf.release()
     return tensors
 
 

@@ -3,6 +3,8 @@ multiplies, the GGUF blocks it is handed, rows that never depend on the row coun
 speculative decoding of an int4 target that is plain int4 decoding's, token for token
 (greedy) and in distribution (sampled)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,10 @@ from specdec.int4 import (
     HEAD_PROBE_SIZES,
     INT4,
     KERNELS,
+    BlockEmbedding,
     Codes,
     Int4Weight,
+    block_embedding,
     quantize_q4_1,
     quantize_q8_0,
     read_q4_1,
@@ -117,6 +121,47 @@ def test_smollm2_blocks_are_read_as_gguf_and_transformers_read_them(smollm2_int4
 
 
 # ----------------------------------------------------------------- (b) rows
+def test_the_embedding_is_the_gguf_blocks_with_the_float_tables_bits(smollm2_int4):
+    """The int4 target looks its tokens up in the file's Q8_0 blocks (a quarter of the float
+    table's memory), and every row, in any index shape, has the float table's very bits."""
+    rows = smollm2_int4.target.rows
+    table = rows.model.model.embed_tokens.weight.detach()
+    assert isinstance(rows.embed, BlockEmbedding) and rows.embed.shape == table.shape
+    assert rows.embed.nbytes < table.numel() * 4 / 3
+    assert torch.equal(rows.embed.float(), table)
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 2]])
+    assert torch.equal(rows.embed[ids], table[ids]) and torch.equal(rows.embed[7], table[7])
+    # a file whose blocks do not hold the table is not used for it
+    from specdec.gguf import read_tensors, smollm2_gguf
+
+    t = read_tensors(smollm2_gguf())["token_embd.weight"]
+    assert block_embedding(t, table) is not None
+    assert block_embedding(t, table + 1e-3) is None and block_embedding(t, table[:, :64]) is None
+
+
+def test_a_gguf_files_mapping_goes_with_its_last_tensor():
+    """Nothing of a read GGUF file stays mapped once its tensors are dropped, without waiting for
+    the garbage collector (a server may not run it for hours: it held ~94 MiB of SmolLM2's file)."""
+    import gc
+
+    from specdec.gguf import read_tensors, smollm2_gguf
+
+    path = str(smollm2_gguf().resolve())
+
+    def mapped() -> bool:
+        return path in Path("/proc/self/maps").read_text()
+
+    gc.collect()
+    gc.disable()
+    try:
+        tensors = read_tensors(smollm2_gguf())
+        assert mapped() and tensors["token_embd.weight"].kind == "Q8_0"
+        del tensors
+        assert not mapped()
+    finally:
+        gc.enable()
+
+
 def test_each_row_is_computed_as_a_one_row_product_at_every_row_count(smollm2_int4):
     """On this machine's kernel: row r of a product of m rows (m = 1..17, 24, 33) has the bits
     of row r multiplied alone, for every product of SmolLM2 (and the head at the sizes that

@@ -252,7 +252,8 @@ class LlamaWeights:
         self.int4 = source is not None
         self.int8, self.act_dtype = int8, act_dtype
         with torch.no_grad():
-            self.embed = inner.embed_tokens.weight
+            # (with dtype int4 from a GGUF file: its Q8_0 blocks, the same rows in a quarter of the memory)
+            self.embed: Any = inner.embed_tokens.weight if source is None or source.embed is None else source.embed
             self.layers = [self._layer_weights(layer, source.layers[i] if source is not None else {},
                                                act_dtype if int8 else None)
                            for i, layer in enumerate(inner.layers)]

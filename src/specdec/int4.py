@@ -17,7 +17,8 @@ What each tensor of a GGUF file becomes (`from_gguf`):
 - Q8_0 (SmolLM2's tied embedding/head, 49152 x 576): two 4-bit planes, exact: a block's
   int8 code q = 16*hi + lo (lo = q & 15, hi = q >> 4) is hi+8 with scale 16d and zero 0,
   plus lo with scale d and zero 8d; the head's product is the sum of the two (10 bits a
-  weight read, against 32 in float32). The embedding lookup reads the float table.
+  weight read, against 32 in float32). The embedding lookup reads the same blocks
+  (`BlockEmbedding`: int8 codes and scales, the float table's very bits in a quarter of its memory).
 - F32 (norms) and every other format (Q4_K, Q6_K, F16, ...): the float32 weights that
   transformers de-quantized (the lean path's float product for that matrix). A fused
   product (q/k/v, gate/up) is 4-bit only when all of its parts are.
@@ -402,15 +403,76 @@ _HF_PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v
              "ffn_down": "mlp.down_proj"}
 
 
+class BlockEmbedding:
+    """An embedding table (N, K) held as a GGUF file's Q8_0 blocks: int8 codes (N, K) and a
+    float32 scale per block of 32 (N, K/32), rows de-quantized as they are looked up (`table[ids]`:
+    (..., K) float32, as indexing the float table gives).
+
+    d * q is exact in float32 (an fp16 scale's 11 significant bits times an integer of 7), so a row
+    has the very bits of the float32 table transformers de-quantized from the same blocks
+    (`from_gguf` checks rows of it), in a quarter of its memory: SmolLM2's 49152 x 576 table is
+    32 MiB here against 113 MiB, and that float table is mapped from the converted file and read
+    lazily, so each new token a server met would add a page of it to the process's memory for good."""
+
+    dtype = torch.float32  # what a lookup returns
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % GROUP or d.shape != (q.shape[0], q.shape[1] // GROUP):
+            raise ValueError("BlockEmbedding needs int8 codes (N, K), K a multiple of 32, and scales (N, K/32)")
+        self.q, self.d = q.contiguous(), d.float().contiguous()
+        self.shape = torch.Size(q.shape)
+        self.device = q.device
+
+    def __getitem__(self, ids: Any) -> torch.Tensor:
+        q, d = self.q[ids], self.d[ids]
+        lead = q.shape[:-1]
+        return (q.view(*lead, -1, GROUP).float() * d[..., None]).view(*lead, self.shape[1])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        """Bytes a weight takes here (its code; the scales add 1/8 of it)."""
+        return 1
+
+    def float(self) -> torch.Tensor:
+        """The whole table in float32."""
+        return self[torch.arange(self.shape[0], device=self.device)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 4
+
+
+def block_embedding(t: Any, table: torch.Tensor) -> BlockEmbedding | None:
+    """The GGUF tensor `t` (token_embd) as a `BlockEmbedding` where it is Q8_0 of the float
+    `table`'s shape and its rows give `table`'s bits (rows spread over the table: a mismatch
+    falls back on the float table), else None."""
+    if t is None or t.kind != "Q8_0" or t.shape != tuple(table.shape) or table.shape[1] % GROUP:
+        return None
+    n, k = table.shape
+    blocks = np.asarray(t.data).reshape(n, k // GROUP, 34)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float()
+    q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
+    embedding = BlockEmbedding(q, d)
+    rows = torch.arange(0, n, max(1, n // 64))
+    with torch.no_grad():
+        if not torch.equal(embedding[rows], table[rows].float()):
+            return None
+    return embedding
+
+
 @dataclass
 class Int4Source:
     """The 4-bit products of a model, as the lean path fuses them: per layer some of "qkv",
-    "o", "gate_up", "down" (the others stay float), and the head (or None: float)."""
+    "o", "gate_up", "down" (the others stay float), and the head (or None: float); the embedding
+    as the file's blocks where they hold it exactly (or None: the float table)."""
 
     layers: list[dict[str, Int4Weight]]
     head: Int4Weight | None
     origin: str  # "gguf" (the file's own blocks) or "quantized" (from float weights here)
     formats: dict[str, int] = field(default_factory=dict)  # tensors by how they are held, for reports
+    embed: BlockEmbedding | None = None
 
     def nbytes(self) -> int:
         parts = [w for layer in self.layers for w in layer.values()] + ([self.head] if self.head else [])
@@ -474,7 +536,8 @@ def from_gguf(path: Path, model: Any) -> Int4Source:
     if head_codes is not None:
         _check_against(head_codes, head_weight, head_name)
     head = Int4Weight(head_codes) if head_codes is not None else None
-    return Int4Source(layers, head, "gguf", formats)
+    embed = block_embedding(tensors.get("token_embd.weight"), model.model.embed_tokens.weight)
+    return Int4Source(layers, head, "gguf", formats, embed)
 
 
 def from_float(model: Any) -> Int4Source:

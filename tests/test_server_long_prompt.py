@@ -62,13 +62,15 @@ def test_a_4000_token_prompt_is_served_in_bounded_memory_while_streams_go_on(tmp
         assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 4000
         assert again.status_code == 200
         assert peak[0] - idle < 3 * 1024, (idle, peak[0])  # the issue's bound: under 3 GB above idle
-        # The slot's memory comes back. What stays after the first long prompt is the int4
-        # kernels' work buffers (a one-time ~75-110 MB on SmolLM2, measured; they do not grow
-        # with later or longer prompts) and the prompt's first positions in the prefix cache
-        # (--prefix-cache, 32 MiB by default): bounded, and nothing more after a second long prompt.
+        # The memory comes back (the issue's bound: within 10% of idle), the prompt's first
+        # positions in the prefix cache (--prefix-cache, 32 MiB by default) included: what else
+        # stayed was the float embedding table's pages, one per new token met (~90 MiB after
+        # these prompts, now the GGUF's blocks: BlockEmbedding) and a thread's heap arena pinned
+        # by small live blocks (~55 MiB, now one heap: fastllama.one_heap). Nothing more after a
+        # second long prompt.
         assert 0 < kept <= 32
-        assert after - idle - kept < 160, (idle, after, kept)
-        assert after_again < after + 0.1 * idle, (idle, after, after_again)  # within 10% of idle's size
+        assert after - idle < 0.1 * idle, (idle, after, kept)
+        assert after_again < after + 0.05 * idle, (idle, after, after_again)
         # the running stream got tokens while the long prompt was prefilled, not only after it
         during = [t for t in times if t0 < t < t1]
         assert len(during) >= 5, (len(during), t1 - t0)

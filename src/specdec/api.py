@@ -24,6 +24,7 @@ from specdec.defaults import (
     default_target,
 )
 from specdec.engine import SpeculativeDecoder
+from specdec.fastllama import release_load_memory
 from specdec.int4 import INT4, attach_int4
 from specdec.policy import make_policy
 from specdec.wiring import (
@@ -126,7 +127,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
                                  resolve_multi(multi, prophets), eos_ids(model, tokenizer))
     decoder.prefix_cache_mb = prefix_mb
     decoder.branches = branches
+    release_load_memory()
     return decoder
+
 
 
 def resolve_draft_dtype(draft_dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -373,6 +373,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from specdec.fastllama import one_heap
     from specdec.server import ServerConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
@@ -389,6 +390,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--prefix-cache must be a finite number of MiB >= 0")
     if args.replicas is not None or args.autoscale is not None or args.address is not None:
         return _serve_replicas(args, config)
+    one_heap()  # a server's memory goes back after a long prompt (see one_heap)
     decoder = _load(args)
     uvicorn.run(create_app(decoder, args.model_name, config), host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P, display_name
 from specdec.engine import SpeculativeDecoder
+from specdec.fastllama import release_load_memory
 from specdec.openmp import release_pool
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers
@@ -75,6 +76,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.warm_up:
             await asyncio.to_thread(_then_release_pool, scheduler.warm_up)
+            release_load_memory()  # what measuring left in the heap: idle is what serving holds
         # Only the scheduler's thread runs the model from here: the OpenMP workers of the threads
         # that loaded it and measured its costs would keep its own from spinning (specdec.openmp)
         release_pool()

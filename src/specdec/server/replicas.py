@@ -100,10 +100,12 @@ class SpecdecReplica:
         from ray import serve
 
         from specdec.api import load
+        from specdec.fastllama import one_heap
         from specdec.server.app import create_app
         from specdec.wiring import resolve_dtype
 
         torch.set_num_threads(max(1, spec.threads))
+        one_heap()  # threads made from here on (the model's) share one heap, as `specdec serve`'s do
         self.name = serve.get_replica_context().replica_id.unique_id
         self.node = socket.gethostname()
         self.hub = hub

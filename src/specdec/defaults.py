@@ -14,12 +14,14 @@ import os
 from pathlib import Path
 
 KV_DTYPES = ("auto", "float32", "float16")  # what a lean model's KV cache holds (`fastllama.kv_dtype_for`)
+HEAPS = ("auto", "one", "per-thread")  # a server's C heaps (SPECDEC_HEAPS, `fastllama.one_heap`): auto is one
 
 
 def choice(variable: str, choices: tuple[str, ...], given: str | None = None, name: str | None = None) -> str:
     """One of `choices`: `given` (an argument, called `name` in the error) where it is not None, else the
     environment variable `variable`, else "auto"; case and surrounding spaces ignored. Anything else is an
-    error naming the choices (every SPECDEC_* switch: the layer loop, the int4 kernel, the KV cache's dtype)."""
+    error naming the choices (every SPECDEC_* switch: the layer loop, the int4 kernel, the KV cache's dtype,
+    a server's heaps)."""
     source = variable if given is None else (name or variable)
     raw = os.environ.get(variable, "auto") if given is None else given
     want = (raw.strip().lower() or "auto") if isinstance(raw, str) else None

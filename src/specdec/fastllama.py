@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import layerloop
-from specdec.defaults import KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
+from specdec.defaults import HEAPS, KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_depths, tree_layout
@@ -432,7 +432,9 @@ def one_heap() -> bool:
     the allocator is not glibc's, nothing): for a server, before it loads anything. With an arena
     per thread (the scheduler's, OpenMP's workers), a long prompt's passes left 50-60 MiB of some
     arena's pages pinned by small live blocks that no trim could return; one heap returns them, at
-    the same decoding speed on 2 cores. Whether it was set."""
+    the same decoding speed on 2 cores. SPECDEC_HEAPS=per-thread keeps glibc's default. Whether it was set."""
+    if choice("SPECDEC_HEAPS", HEAPS) == "per-thread":
+        return False
     return bool(_libc()) and _LIBC.mallopt(M_ARENA_MAX, 1) == 1
 
 

@@ -25,6 +25,34 @@ def test_a_long_request_holds_only_its_own_slot_and_gives_it_back():
     assert lm.k_slots[3] is None and lm.kv_bytes() == lm.position_bytes() * lm.k_slots[5].shape[2]
 
 
+def test_freed_caches_go_back_to_the_system_when_large_or_when_the_last_slot_leaves(monkeypatch):
+    """A large freed cache is trimmed at once; small ones stay for the next requests while any
+    slot runs, and are handed back (once TRIM_BYTES were freed) when the last one leaves."""
+    import specdec.fastllama as fastllama
+
+    trims: list[int] = []
+    monkeypatch.setattr(fastllama, "trim_heap", lambda: trims.append(1))
+    lm = BatchLlama(smollm2_shaped(), "b", slots=4)
+    for slot in range(4):
+        lm.forward([slot], [0], [[1, 2, 3]], [1])
+    slot_bytes = lm.position_bytes() * lm.k_slots[0].shape[2]
+    monkeypatch.setattr(fastllama, "TRIM_BYTES", int(2.5 * slot_bytes))
+    lm.free(0)
+    lm.free(1)
+    lm.free(2)  # 3 slots' bytes freed, one still running: kept for reuse
+    assert trims == []
+    lm.free(3)
+    assert trims == [1] and lm.freed_bytes == 0
+    lm.forward([0], [0], [[1, 2, 3]], [1])
+    lm.free(0)  # the last slot again, but less than TRIM_BYTES freed since
+    assert trims == [1]
+    monkeypatch.setattr(fastllama, "TRIM_BYTES", slot_bytes)
+    lm.forward([1], [0], [[1, 2, 3]], [1])
+    lm.forward([2], [0], [[1, 2, 3]], [1])
+    lm.free(1)  # as large as TRIM_BYTES: at once, though a slot runs
+    assert trims == [1, 1]
+
+
 def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     engine.generate([list(range(1, 200)), [1, 2, 3]], max_new_tokens=6, temperature=0)

@@ -30,27 +30,40 @@ def test_freed_caches_go_back_to_the_system_when_large_or_when_the_last_slot_lea
     slot runs, and are handed back (once TRIM_BYTES were freed) when the last one leaves."""
     import specdec.fastllama as fastllama
 
-    trims: list[int] = []
-    monkeypatch.setattr(fastllama, "trim_heap", lambda: trims.append(1))
     lm = BatchLlama(smollm2_shaped(), "b", slots=4)
     for slot in range(4):
         lm.forward([slot], [0], [[1, 2, 3]], [1])
     slot_bytes = lm.position_bytes() * lm.k_slots[0].shape[2]
     monkeypatch.setattr(fastllama, "TRIM_BYTES", int(2.5 * slot_bytes))
-    lm.free(0)
-    lm.free(1)
-    lm.free(2)  # 3 slots' bytes freed, one still running: kept for reuse
-    assert trims == []
+    due = []
+    for slot in range(3):  # 3 slots' bytes freed, one still running: kept for reuse
+        lm.free(slot)
+        due.append(lm.trim_due())
     lm.free(3)
-    assert trims == [1] and lm.freed_bytes == 0
+    assert due == [False] * 3 and lm.trim_due() and lm.freed_bytes == 0 and not lm.trim_due()
     lm.forward([0], [0], [[1, 2, 3]], [1])
     lm.free(0)  # the last slot again, but less than TRIM_BYTES freed since
-    assert trims == [1]
+    assert not lm.trim_due()
     monkeypatch.setattr(fastllama, "TRIM_BYTES", slot_bytes)
     lm.forward([1], [0], [[1, 2, 3]], [1])
     lm.forward([2], [0], [[1, 2, 3]], [1])
     lm.free(1)  # as large as TRIM_BYTES: at once, though a slot runs
-    assert trims == [1, 1]
+    assert lm.trim_due()
+
+
+def test_the_engine_trims_once_a_requests_whole_state_is_dropped(tiny_pair, monkeypatch):
+    """The engine asks after freeing the target's slot, the prophets' state and the request's
+    features, so that what they held goes back with the slot."""
+    import specdec.batch as batch
+    import specdec.fastllama as fastllama
+
+    engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
+    seen: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(fastllama, "TRIM_BYTES", 1)
+    monkeypatch.setattr(batch, "trim_heap", lambda: seen.append((engine.target.kv_bytes() == 0,
+                                                                   engine.prophet.lm.kv_bytes() == 0)))
+    engine.generate([[1, 2, 3]], max_new_tokens=4, temperature=0)
+    assert seen == [(True, True)]
 
 
 def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):

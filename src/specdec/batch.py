@@ -491,6 +491,9 @@ class BatchEngine:
                 part.free(req.slot)
         self._free.append(req.slot)
         req.slot, req.fused = None, []
+        lms = [lm for lm in (self.target, *self.draft_lms) if isinstance(lm, BatchLlama)]
+        if any([lm.trim_due() for lm in lms]):  # every one asked (each starts its count again)
+            trim_heap()
 
     def enable_prefix_cache(self, max_bytes: int, shared: PrefixCache | None = None) -> PrefixCache | None:
         """Keep prompt prefixes' keys and values, at most `max_bytes` (0: none), and start later

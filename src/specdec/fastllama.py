@@ -470,7 +470,7 @@ class BatchLlama(LlamaWeights):
         self.k_slots: list[torch.Tensor | None] = [None] * slots  # per slot (L, Hkv, T_s, hd), or None: free
         self.v_slots: list[torch.Tensor | None] = [None] * slots
         self.forward_calls = 0
-        self.freed_bytes = 0  # slots' cache bytes freed since the heap was last trimmed (see free)
+        self.freed_bytes, self.freed_large = 0, False  # freed since the heap was last trimmed (trim_due)
         # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
         # scores exactly what the same request alone (or plain decoding) would.
         self.exact_rows = self.bucket_rows
@@ -482,7 +482,7 @@ class BatchLlama(LlamaWeights):
         """Another model of `slots` slots over the same (fused, possibly quantized) weights,
         its caches empty: nothing is read, fused or quantized again."""
         other = copy.copy(self)
-        other.slots, other.forward_calls, other.freed_bytes = slots, 0, 0
+        other.slots, other.forward_calls, other.freed_bytes, other.freed_large = slots, 0, 0, False
         other.k_slots, other.v_slots = [None] * slots, [None] * slots
         return other
 
@@ -500,20 +500,25 @@ class BatchLlama(LlamaWeights):
         return sum(self.position_bytes() * k.shape[2] for k in self.k_slots if k is not None)
 
     def free(self, slot: int) -> None:
-        """Return a slot's cache memory (its request has left), to the system too when it was
-        large, or when the last slot in use leaves after at least TRIM_BYTES were freed (a burst
-        of requests over: 64 chat streams left ~400 MiB in the heap): the C allocator keeps freed
-        heap memory for reuse unless asked to trim it. While other slots run, small freed caches
-        stay for the next requests to reuse."""
+        """Drop a slot's cache (its request has left); `trim_due` says when the freed memory should
+        go back to the system too (the C allocator keeps freed heap memory for reuse unless asked)."""
         k = self.k_slots[slot]
         self.k_slots[slot] = self.v_slots[slot] = None
-        if k is None or k.device.type != "cpu":
-            return
-        size = 2 * k.numel() * k.element_size()
-        self.freed_bytes += size
-        if size >= TRIM_BYTES or (self.freed_bytes >= TRIM_BYTES and all(s is None for s in self.k_slots)):
-            self.freed_bytes = 0
-            trim_heap()
+        if k is not None and k.device.type == "cpu":
+            size = 2 * k.numel() * k.element_size()
+            self.freed_bytes += size
+            self.freed_large |= size >= TRIM_BYTES
+
+    def trim_due(self) -> bool:
+        """Whether to trim the heap now (then the count starts again): a slot of TRIM_BYTES or more
+        was freed (a long request), or TRIM_BYTES were in all and no slot is in use any more (a burst
+        of requests over: 64 chat streams left ~400 MiB in the heap). While other slots run, small
+        freed caches stay for the next requests to reuse. Called by the engine once a request's
+        whole state (its prophets' too) is dropped, so that what they held goes back with it."""
+        due = self.freed_large or (self.freed_bytes >= TRIM_BYTES and all(k is None for k in self.k_slots))
+        if due:
+            self.freed_bytes, self.freed_large = 0, False
+        return due
 
     def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A slot's keys and values (layers, kv heads, capacity, head dim), or None when free

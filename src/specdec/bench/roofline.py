@@ -53,7 +53,10 @@ def llama_step_bytes(lw: Any) -> int:
 
 def kv_bytes(lw: Any, context: int) -> int:
     """Bytes of keys and values a one-token step attends over at `context` positions."""
-    per = lw.embed.element_size() if lw.embed.dtype in (torch.bfloat16, torch.float16) else 4
+    dtype = getattr(lw, "kv_dtype", None)  # a batched model's cache (float16 for a 4-bit target), else its own dtype
+    if dtype is None:
+        dtype = lw.embed.dtype if lw.embed.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    per = dtype.itemsize
     return 2 * lw.n_layers * lw.n_kv * lw.head_dim * context * per
 
 

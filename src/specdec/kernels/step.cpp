@@ -687,34 +687,52 @@ class Stack {
       int64_t kv;  // the key head it reads
     };
     std::vector<Item> items;
+    items.reserve(static_cast<size_t>(rows * n * Hq));
     int64_t longest = 0;
+    std::vector<KT*> kds(static_cast<size_t>(rows)), vds(static_cast<size_t>(rows));
     for (int64_t b = 0; b < rows; ++b) {
-      const auto& kb = keys[b];
-      const auto& vb = values[b];  // (L, Hkv, T, hd)
-      TORCH_CHECK(kb.stride(3) == 1 && vb.stride(3) == 1, "attention_alone: dense key rows");
-      KT* kd = kb.data_ptr<KT>() + i * kb.stride(0);
-      KT* vd = vb.data_ptr<KT>() + i * vb.stride(0);
-      const int64_t kh = kb.stride(1), kt = kb.stride(2);
-      const int64_t vh = vb.stride(1), vt = vb.stride(2);
+      TORCH_CHECK(keys[b].stride(3) == 1 && values[b].stride(3) == 1, "attention_alone: dense key rows");
+      kds[b] = keys[b].data_ptr<KT>() + i * keys[b].stride(0);  // (L, Hkv, T, hd): this layer's
+      vds[b] = values[b].data_ptr<KT>() + i * values[b].stride(0);
+    }
+    // Each new token's rotary queries and its keys and values written into its row's slot: rows in parallel
+    // where there are many (each element's arithmetic is its own; rows write their own slots).
+    const auto place = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        KT* kd = kds[b];
+        KT* vd = vds[b];
+        const int64_t kh = keys[b].stride(1), kt = keys[b].stride(2);
+        const int64_t vh = values[b].stride(1), vt = values[b].stride(2);
+        for (int64_t t = 0; t < n_new[b]; ++t) {
+          const float* x = src + (b * n + t) * width;
+          const float* c = pc + b * cb + t * ct;
+          const float* sn = ps + b * sb + t * st;
+          const int64_t pos = starts[b] + t;
+          for (int64_t head = 0; head < Hq; ++head)
+            rope_head(x + head * hd, c, sn, hd, qd + ((b * n + t) * Hq + head) * hd);
+          float key[256];
+          for (int64_t head = 0; head < Hkv; ++head) {
+            rope_head(x + (Hq + head) * hd, c, sn, hd, key);
+            KT* kr = kd + head * kh + pos * kt;
+            KT* vr = vd + head * vh + pos * vt;
+            const float* vx = x + (Hq + Hkv + head) * hd;
+            for (int64_t d = 0; d < hd; ++d) store_as(key[d], kr + d), store_as(vx[d], vr + d);
+          }
+        }
+      }
+    };
+    if (rows >= 8)
+      at::parallel_for(0, rows, 4, place);
+    else
+      place(0, rows);
+    for (int64_t b = 0; b < rows; ++b) {
+      KT* kd = kds[b];
+      KT* vd = vds[b];
+      const int64_t kh = keys[b].stride(1), kt = keys[b].stride(2);
+      const int64_t vh = values[b].stride(1), vt = values[b].stride(2);
       const auto& rt = tails.empty() ? kNoTails : tails[b];  // per new token: its tail (empty: causal)
       int64_t chain = 0;  // a tree row's chain: its new tokens before the first node
       while (chain < static_cast<int64_t>(rt.size()) && rt[chain].empty()) ++chain;
-      for (int64_t t = 0; t < n_new[b]; ++t) {
-        const float* x = src + (b * n + t) * width;
-        const float* c = pc + b * cb + t * ct;
-        const float* sn = ps + b * sb + t * st;
-        const int64_t pos = starts[b] + t;
-        for (int64_t head = 0; head < Hq; ++head)
-          rope_head(x + head * hd, c, sn, hd, qd + ((b * n + t) * Hq + head) * hd);
-        float key[256];
-        for (int64_t head = 0; head < Hkv; ++head) {
-          rope_head(x + (Hq + head) * hd, c, sn, hd, key);
-          KT* kr = kd + head * kh + pos * kt;
-          KT* vr = vd + head * vh + pos * vt;
-          const float* vx = x + (Hq + Hkv + head) * hd;
-          for (int64_t d = 0; d < hd; ++d) store_as(key[d], kr + d), store_as(vx[d], vr + d);
-        }
-      }
       // The row's queries in the order that keeps each key head's keys and values in the core's caches: by key
       // head, then by new token, then by the query heads that read it (each query's arithmetic is its own, so
       // the order changes no bit; it spares re-reading a layer's whole cache from memory for each scored token).

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 // specdec.qgemm's products (qgemm.cpp, qgemm8.cpp): x (M, K) float32 contiguous @ blocks.T, fmt 0 Q4_1, 1 Q8_0.
@@ -312,6 +313,98 @@ inline void attend_head(const float* qv, const KT* kbase, int64_t kt, const KT* 
   }
   for (int64_t d = 0; d < hd; ++d) y[d] = acc[d] / total;
 }
+
+// G query heads that read one key head (grouped-query attention), each exactly as attend_head computes it alone
+// (its scores, its softmax, its weighted values: the same operations in the same order, so the same bits), with
+// each key and value row loaded (and, from a float16 cache, converted) once for the G of them instead of G times.
+// qv[g], y[g]: query g and its output (hd = 8 V floats: 64 or 128); p: G buffers of `padded` floats; acc: G x hd.
+#ifdef __AVX2__
+template <int G, int V, typename KT>
+inline void attend_heads(const float* const* qv, const KT* kbase, int64_t kt, const KT* vbase, int64_t vt,
+                         int64_t end, float scale, int64_t padded, float* p, float* acc, float* const* y,
+                         const int64_t* tail, int64_t n_tail) {
+  constexpr int64_t hd = 8 * V;
+  float row[256];
+  const int64_t all = end + n_tail;
+  float top[G];
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 most[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY, most[g] = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= end; t += 8) {  // dot8_keys8's arithmetic for each query, the keys loaded once
+    const KT* k = kbase + t * kt;
+    __m256 s[G][8];
+    for (int j = 0; j < 8; ++j) {
+      const __m256 k0 = load8(k + j * kt);
+      for (int g = 0; g < G; ++g) s[g][j] = _mm256_mul_ps(_mm256_loadu_ps(qv[g]), k0);
+    }
+    for (int64_t d = 8; d < hd; d += 8)
+      for (int j = 0; j < 8; ++j) {
+        const __m256 kd = load8(k + j * kt + d);
+        for (int g = 0; g < G; ++g) s[g][j] = _mm256_add_ps(s[g][j], _mm256_mul_ps(_mm256_loadu_ps(qv[g] + d), kd));
+      }
+    for (int g = 0; g < G; ++g) {
+      __m256 a[4];
+      for (int j = 0; j < 4; ++j)
+        a[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[g][j], s[g][j + 4], 0x20),
+                             _mm256_permute2f128_ps(s[g][j], s[g][j + 4], 0x31));
+      const __m256 z = _mm256_mul_ps(_mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3])), sc);
+      _mm256_storeu_ps(p + g * padded + t, z);
+      most[g] = _mm256_max_ps(most[g], z);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, most[g]);
+    for (float m : m8) top[g] = std::max(top[g], m);
+  }
+  for (; t < all; ++t) {
+    const float* kr = row_floats(kbase + (t < end ? t : tail[t - end]) * kt, hd, row);
+    for (int g = 0; g < G; ++g) {
+      p[g * padded + t] = dot8(qv[g], kr, hd) * scale;
+      top[g] = std::max(top[g], p[g * padded + t]);
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    for (int64_t u = all; u < padded; ++u) p[g * padded + u] = -INFINITY;
+    exp_shifted(p + g * padded, padded, top[g]);
+    total[g] = 0.0f;
+  }
+  // weigh_values' arithmetic for each query, each value row loaded once
+#ifdef __AVX512F__
+  __m512 sv[G][V / 2];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V / 2; ++j) sv[g][j] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < all; ++u) {
+    const KT* v = vbase + (u < end ? u : tail[u - end]) * vt;
+    for (int j = 0; j < V / 2; ++j) {
+      const __m512 vj = load16(v + 16 * j);
+      for (int g = 0; g < G; ++g) sv[g][j] = _mm512_add_ps(sv[g][j], _mm512_mul_ps(_mm512_set1_ps(p[g * padded + u]), vj));
+    }
+    for (int g = 0; g < G; ++g) total[g] += p[g * padded + u];
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V / 2; ++j) _mm512_storeu_ps(acc + g * hd + 16 * j, sv[g][j]);
+#else
+  __m256 sv[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) sv[g][j] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < all; ++u) {
+    const KT* v = vbase + (u < end ? u : tail[u - end]) * vt;
+    for (int j = 0; j < V; ++j) {
+      const __m256 vj = load8(v + 8 * j);
+      for (int g = 0; g < G; ++g) sv[g][j] = _mm256_add_ps(sv[g][j], _mm256_mul_ps(_mm256_set1_ps(p[g * padded + u]), vj));
+    }
+    for (int g = 0; g < G; ++g) total[g] += p[g * padded + u];
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + g * hd + 8 * j, sv[g][j]);
+#endif
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < hd; ++d) y[g][d] = acc[g * hd + d] / total[g];
+}
+#endif
 
 template <typename KT>
 torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
@@ -671,7 +764,7 @@ class Stack {
                        const torch::Tensor& sin_signed, const std::vector<torch::Tensor>& keys,
                        const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                        const std::vector<int64_t>& n_new, const Trees& tails, float* qd, float* od) const {
-    const int64_t hd = head_dim_, Hq = n_heads_, Hkv = n_kv_;
+    const int64_t hd = head_dim_, Hq = n_heads_, Hkv = n_kv_, group = Hq / Hkv;
     const int64_t width = (Hq + 2 * Hkv) * hd;
     const float* pc = cos.data_ptr<float>();
     const float* ps = sin_signed.data_ptr<float>();
@@ -736,30 +829,59 @@ class Stack {
       // The row's queries in the order that keeps each key head's keys and values in the core's caches: by key
       // head, then by new token, then by the query heads that read it (each query's arithmetic is its own, so
       // the order changes no bit; it spares re-reading a layer's whole cache from memory for each scored token).
-      const int64_t group = Hq / Hkv;
       for (int64_t kv = 0; kv < Hkv; ++kv)
         for (int64_t t = 0; t < n_new[b]; ++t) {
           const bool node = t < static_cast<int64_t>(rt.size()) && !rt[t].empty();
           const int64_t end = node ? starts[b] + chain : starts[b] + t + 1;  // a node: the cache and the chain,
           const int64_t n_tail = node ? static_cast<int64_t>(rt[t].size()) : 0;  // then its tail
-          for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
-            items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
-                                 od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail, kv});
+          // one item a key head's query heads (consecutive in qd and od): attended together where attend_heads
+          // applies, else one by one
+          const int64_t head = kv * group;
+          items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
+                               od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail, kv});
           longest = std::max(longest, end + n_tail);
         }
     }
     const int64_t padded = (longest + 7) / 8 * 8;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const auto count = static_cast<int64_t>(items.size());
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * longest));
+    const int64_t grain =
+        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * longest * group));
+#ifdef __AVX2__
+    const bool grouped = (hd == 64 || hd == 128) && group >= 2 && group <= 4;
+#else
+    const bool grouped = false;
+#endif
     at::parallel_for(0, count, grain, [&](int64_t j0, int64_t j1) {
-      std::vector<float> p(static_cast<size_t>(padded));
-      std::vector<float> acc(static_cast<size_t>(hd));
+      std::vector<float> p(static_cast<size_t>(padded * group));
+      std::vector<float> acc(static_cast<size_t>(hd * group));
       for (int64_t j = j0; j < j1; ++j) {
         const Item& it = items[j];
-        const int64_t kv = it.kv;
-        attend_head(it.q, it.keys + kv * it.kh, it.kt, it.values + kv * it.vh, it.vt, it.end, hd, scale, p.data(),
-                    acc.data(), it.y, it.tail, it.n_tail);
+        const KT* kb = it.keys + it.kv * it.kh;
+        const KT* vb = it.values + it.kv * it.vh;
+        if (grouped) {
+#ifdef __AVX2__
+          const float* qs[4];
+          float* ys[4];
+          for (int64_t g = 0; g < group; ++g) qs[g] = it.q + g * hd, ys[g] = it.y + g * hd;
+          const auto heads = [&](auto g_, auto v_) {
+            attend_heads<decltype(g_)::value, decltype(v_)::value>(qs, kb, it.kt, vb, it.vt, it.end, scale, padded,
+                                                                   p.data(), acc.data(), ys, it.tail, it.n_tail);
+          };
+          using I8 = std::integral_constant<int, 8>;
+          using I16 = std::integral_constant<int, 16>;
+          if (group == 3)
+            hd == 64 ? heads(std::integral_constant<int, 3>{}, I8{}) : heads(std::integral_constant<int, 3>{}, I16{});
+          else if (group == 2)
+            hd == 64 ? heads(std::integral_constant<int, 2>{}, I8{}) : heads(std::integral_constant<int, 2>{}, I16{});
+          else
+            hd == 64 ? heads(std::integral_constant<int, 4>{}, I8{}) : heads(std::integral_constant<int, 4>{}, I16{});
+#endif
+        } else {
+          for (int64_t g = 0; g < group; ++g)
+            attend_head(it.q + g * hd, kb, it.kt, vb, it.vt, it.end, hd, scale, p.data(), acc.data(), it.y + g * hd,
+                        it.tail, it.n_tail);
+        }
       }
     });
   }

@@ -136,3 +136,37 @@ def test_the_server_admits_by_kv_memory_and_refuses_what_can_never_fit(tiny_pair
         plain = decoder.plain()
         for i in range(3):  # each waited its turn and ran to its answer
             assert answers[i] == plain.generate([1 + i] * 10, max_new_tokens=40, temperature=0).text
+
+
+def test_one_heap_is_set_unless_per_thread_is_asked_and_a_bad_value_is_an_error(monkeypatch):
+    """`specdec serve` (and each replica) calls one_heap before loading; glibc takes M_ARENA_MAX 1."""
+    import ctypes.util
+
+    from specdec.fastllama import one_heap
+
+    monkeypatch.setenv("SPECDEC_HEAPS", "per-thread")
+    assert one_heap() is False
+    monkeypatch.setenv("SPECDEC_HEAPS", "several")
+    with pytest.raises(ValueError, match="SPECDEC_HEAPS must be one of auto, one, per-thread"):
+        one_heap()
+    monkeypatch.delenv("SPECDEC_HEAPS")
+    assert one_heap() is bool(ctypes.util.find_library("c"))
+
+
+def test_serve_sets_one_heap_before_it_loads(monkeypatch):
+    """The order matters: the model's threads are made while loading."""
+    import specdec.api
+    import specdec.fastllama
+    from specdec.cli import main
+
+    calls: list[str] = []
+    monkeypatch.setattr(specdec.fastllama, "one_heap", lambda: calls.append("one_heap") or True)
+
+    def load(*args, **kwargs):
+        calls.append("load")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specdec.api, "load", load)
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "0"])
+    assert calls == ["one_heap", "load"]

@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SAMPLING_RULE, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P
+from specdec.defaults import (
+    KV_DTYPES,
+    MAX_NEW_TOKENS,
+    PREFILL_CHUNK,
+    SAMPLING_RULE,
+    SERVE_PREFIX_CACHE_MB,
+    TEMPERATURE,
+    TOP_P,
+)
 from specdec.errors import SpecdecError
 
 
@@ -41,7 +49,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "lean path only). Greedy output equals plain decoding's in each on the lean path (Llama "
                         "models); with the transformers backend in bfloat16, a pass over K+1 tokens rounds "
                         "differently from K+1 single steps, so it can differ where two logits nearly tie")
-    p.add_argument("--kv-dtype", default=None, choices=["auto", "float32", "float16"],
+    p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
                    help="what the KV cache holds (default: $SPECDEC_KV_DTYPE, else auto: float16 for a 4-bit "
                         "target on the CPU, as llama.cpp keeps its cache, the model's dtype otherwise); reads "
                         "convert float16 exactly, so greedy output still equals plain decoding's")

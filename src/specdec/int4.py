@@ -376,11 +376,18 @@ def read_q4_1(raw: np.ndarray, n: int, k: int) -> list[Codes]:
     return q4_1_codes(d, m, torch.from_numpy(q), torch.from_numpy(blocks.copy()))
 
 
-def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
-    """A Q8_0 tensor's bytes (N, K/32 * 34): per block d (fp16), then 32 int8 weights."""
+def q8_0_parts(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes (N, K/32 * 34: per block d (fp16), then 32 int8 weights) as its blocks
+    (N, K/32, 34) (a view of raw), d (N, K/32) float16 and q (N, K) int8."""
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 34)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
     q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
+    return blocks, d, q
+
+
+def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
+    """A Q8_0 tensor's bytes (N, K/32 * 34): per block d (fp16), then 32 int8 weights."""
+    blocks, d, q = q8_0_parts(raw, n, k)
     return q8_0_codes(d, q, torch.from_numpy(blocks.copy()))
 
 
@@ -451,9 +458,7 @@ def block_embedding(t: Any, table: torch.Tensor) -> BlockEmbedding | None:
     if t is None or t.kind != "Q8_0" or t.shape != tuple(table.shape) or table.shape[1] % GROUP:
         return None
     n, k = table.shape
-    blocks = np.asarray(t.data).reshape(n, k // GROUP, 34)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float()
-    q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
+    _, d, q = q8_0_parts(t.data, n, k)
     embedding = BlockEmbedding(q, d)
     rows = torch.arange(0, n, max(1, n // 64))
     with torch.no_grad():

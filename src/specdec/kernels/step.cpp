@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 // specdec.qgemm's products (qgemm.cpp, qgemm8.cpp): x (M, K) float32 contiguous @ blocks.T, fmt 0 Q4_1, 1 Q8_0.
@@ -208,6 +207,15 @@ inline __m512 load16(const c10::Half* p) {
 }
 #endif
 
+// dot8's tree of each of 8 keys' running sums s[j], side by side: lane j holds key j's sum. Keys j and j + 4 in one
+// register: lanes l + (l + 4) of each (dot8's first step), then its two pairwise sums.
+inline __m256 dot8_trees(const __m256* s) {
+  __m256 a[4];
+  for (int j = 0; j < 4; ++j)
+    a[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[j], s[j + 4], 0x20), _mm256_permute2f128_ps(s[j], s[j + 4], 0x31));
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+
 // The scores of the 8 keys from k (rows kt floats apart): for each, dot8's arithmetic (eight running sums, the same
 // tree), the 8 trees summed side by side; lane j holds key j's. hd a positive multiple of 8.
 template <typename KT>
@@ -219,11 +227,7 @@ inline __m256 dot8_keys8(const float* qv, const KT* k, int64_t kt, int64_t hd) {
     const __m256 qd = _mm256_loadu_ps(qv + d);
     for (int j = 0; j < 8; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(qd, load8(k + j * kt + d)));
   }
-  // keys j and j + 4 in one register: lanes l + (l + 4) of each (dot8's first step), then its two pairwise sums
-  __m256 a[4];
-  for (int j = 0; j < 4; ++j)
-    a[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[j], s[j + 4], 0x20), _mm256_permute2f128_ps(s[j], s[j + 4], 0x31));
-  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return dot8_trees(s);
 }
 
 // acc (V x 8 floats) = sum over t < end, in key order from 0, then over the tail's rows (tail[i] * vt floats into
@@ -344,11 +348,7 @@ inline void attend_heads(const float* const* qv, const KT* kbase, int64_t kt, co
         for (int g = 0; g < G; ++g) s[g][j] = _mm256_add_ps(s[g][j], _mm256_mul_ps(_mm256_loadu_ps(qv[g] + d), kd));
       }
     for (int g = 0; g < G; ++g) {
-      __m256 a[4];
-      for (int j = 0; j < 4; ++j)
-        a[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[g][j], s[g][j + 4], 0x20),
-                             _mm256_permute2f128_ps(s[g][j], s[g][j + 4], 0x31));
-      const __m256 z = _mm256_mul_ps(_mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3])), sc);
+      const __m256 z = _mm256_mul_ps(dot8_trees(s[g]), sc);
       _mm256_storeu_ps(p + g * padded + t, z);
       most[g] = _mm256_max_ps(most[g], z);
     }
@@ -403,6 +403,18 @@ inline void attend_heads(const float* const* qv, const KT* kbase, int64_t kt, co
 #endif
   for (int g = 0; g < G; ++g)
     for (int64_t d = 0; d < hd; ++d) y[g][d] = acc[g * hd + d] / total[g];
+}
+
+// attend_heads for `group` query heads (2-4) of `hd` floats (64 or 128).
+template <typename KT>
+using AttendHeads = void (*)(const float* const*, const KT*, int64_t, const KT*, int64_t, int64_t, float, int64_t,
+                             float*, float*, float* const*, const int64_t*, int64_t);
+template <typename KT>
+inline AttendHeads<KT> attend_group(int64_t group, int64_t hd) {
+  static const AttendHeads<KT> table[3][2] = {{attend_heads<2, 8, KT>, attend_heads<2, 16, KT>},
+                                              {attend_heads<3, 8, KT>, attend_heads<3, 16, KT>},
+                                              {attend_heads<4, 8, KT>, attend_heads<4, 16, KT>}};
+  return table[group - 2][hd == 128];
 }
 #endif
 
@@ -780,7 +792,7 @@ class Stack {
       int64_t kv;  // the key head it reads
     };
     std::vector<Item> items;
-    items.reserve(static_cast<size_t>(rows * n * Hq));
+    items.reserve(static_cast<size_t>(rows * n * Hkv));  // an item a key head's queries
     int64_t longest = 0;
     std::vector<KT*> kds(static_cast<size_t>(rows)), vds(static_cast<size_t>(rows));
     for (int64_t b = 0; b < rows; ++b) {
@@ -864,18 +876,8 @@ class Stack {
           const float* qs[4];
           float* ys[4];
           for (int64_t g = 0; g < group; ++g) qs[g] = it.q + g * hd, ys[g] = it.y + g * hd;
-          const auto heads = [&](auto g_, auto v_) {
-            attend_heads<decltype(g_)::value, decltype(v_)::value>(qs, kb, it.kt, vb, it.vt, it.end, scale, padded,
-                                                                   p.data(), acc.data(), ys, it.tail, it.n_tail);
-          };
-          using I8 = std::integral_constant<int, 8>;
-          using I16 = std::integral_constant<int, 16>;
-          if (group == 3)
-            hd == 64 ? heads(std::integral_constant<int, 3>{}, I8{}) : heads(std::integral_constant<int, 3>{}, I16{});
-          else if (group == 2)
-            hd == 64 ? heads(std::integral_constant<int, 2>{}, I8{}) : heads(std::integral_constant<int, 2>{}, I16{});
-          else
-            hd == 64 ? heads(std::integral_constant<int, 4>{}, I8{}) : heads(std::integral_constant<int, 4>{}, I16{});
+          attend_group<KT>(group, hd)(qs, kb, it.kt, vb, it.vt, it.end, scale, padded, p.data(), acc.data(), ys,
+                                      it.tail, it.n_tail);
 #endif
         } else {
           for (int64_t g = 0; g < group; ++g)

@@ -131,6 +131,14 @@ def test_the_embedding_is_the_gguf_blocks_with_the_float_tables_bits(smollm2_int
     assert torch.equal(rows.embed.float(), table)
     ids = torch.tensor([[0, 5, 49151], [17, 17, 2]])
     assert torch.equal(rows.embed[ids], table[ids]) and torch.equal(rows.embed[7], table[7])
+    assert torch.equal(rows.embed[-1], table[-1]) and torch.equal(rows.embed[torch.tensor(3)], table[3])
+    # the extension's lookup (where it is loaded, as here) and torch's indexing give the same rows
+    from specdec import qgemm
+
+    assert qgemm.loaded() is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qgemm, "_module", None)
+        assert torch.equal(rows.embed[ids], table[ids]) and torch.equal(rows.embed[-1], table[-1])
     # a file whose blocks do not hold the table is not used for it
     from specdec.gguf import read_tensors, smollm2_gguf
 

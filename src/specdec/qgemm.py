@@ -52,8 +52,9 @@ Q4_1_BYTES = 20
 Q8_0_BYTES = 34
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCE = KERNELS_DIR / "qgemm.cpp"
-# one extension: the products (float32, int8 and bfloat16 activations), the layer loop
-SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "qgemm16.cpp", KERNELS_DIR / "step.cpp")
+# one extension: the products (float32, int8 and bfloat16 activations), the layer loop, lookups
+SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "qgemm16.cpp", KERNELS_DIR / "step.cpp",
+           KERNELS_DIR / "lookup.cpp")
 HEADERS = (KERNELS_DIR / "qgemm_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
 LDFLAGS = ("-fopenmp",)
@@ -153,6 +154,11 @@ def _load() -> ModuleType | None:
                 _module = _build()
             except Exception as e:  # a failed build: unavailable, never an error at import or in callers
                 _error = f"{type(e).__name__}: {e}".strip()
+    return _module
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process has loaded it already, else None (never builds it)."""
     return _module
 
 

@@ -580,6 +580,7 @@ class FirstBatchProphet:
         names: list[str | None] = [None] * len(reqs)
         one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
         q_rows: dict[int, torch.Tensor] = {}
+        q_from: dict[int, torch.Tensor] = {}  # the prophet's whole q (B, K, V) each of q_rows is from
         grown: dict[int, tuple[DraftTree, dict[str, list[int]]]] = {}  # rows a branching prophet drafted a tree for
         orders = [self._order(r) for r in reqs]
         # Rank by rank: a row asks its rank-th prophet only while nothing earlier proposed.
@@ -599,7 +600,7 @@ class FirstBatchProphet:
                     tokens[b], names[b] = t, part.name
                     if got.probs is not None and not (got.one_hot and got.one_hot[b]):
                         one_hot[b] = False
-                        q_rows[b] = got.probs[b, : len(t)]
+                        q_rows[b], q_from[b] = got.probs[b, : len(t)], got.probs
         if grown:  # every row's draft as a tree: the grown ones, the others' chains
             trees = [DraftTree() for _ in reqs]
             chains: list[dict[str, list[int]]] = [{} for _ in reqs]
@@ -615,6 +616,10 @@ class FirstBatchProphet:
             return BatchDraft(tokens, None, names)
         k_max = max(len(t) for t in tokens)
         first = next(iter(q_rows.values()))
+        whole = q_from[next(iter(q_rows))]  # the (B, K, V) q a prophet returned
+        if whole.shape[1] >= k_max and all(q_from[b] is whole for b in q_rows):
+            # one prophet sampled every such row (zeros in the rows it left): its q as it is, not copied
+            return BatchDraft(tokens, whole[:, :k_max], names, one_hot)
         probs = torch.zeros(len(reqs), k_max, first.shape[-1], device=first.device)
         for b, q in q_rows.items():
             probs[b, : len(q)] = q

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec import qgemm
+
 # Called after each drafted token with that step's q (V,): returning False stops drafting
 # early (the confidence policy).
 KeepDrafting = Callable[[torch.Tensor], bool]
@@ -149,41 +151,63 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
     By inversion: one uniform u per row (float64, from the row's generator), and the first id
     whose cumulative mass exceeds u times the row's total, the mass summed in float64 in two
-    levels: the totals of blocks of SAMPLE_BLOCK ids, then within the one block where u
-    falls. A token of probability 0 is never drawn (its cumulative mass equals its
-    predecessor's). `torch.multinomial` draws V exponentials for one sample (0.9 ms over
-    SmolLM2's 49,152 ids on a 2-core CPU); a float64 cumulative sum over all V ids, the way
-    before this one, took ~200 us a draw measured alone; this ~60 us."""
+    levels: the totals of blocks of SAMPLE_BLOCK ids (each summed in id order), then within
+    the one block where u falls, from the cumulative total before it. A token of probability
+    0 is never drawn (its cumulative mass equals its predecessor's). The scan runs in the
+    extension (`kernels/lookup.cpp`) where specdec's kernels are loaded, else in NumPy
+    (`_sample_totals`, `_sample_pick`): the same operations in the same order, so the same id
+    from the same uniform. `torch.multinomial` draws V exponentials for one sample (0.9 ms
+    over SmolLM2's 49,152 ids on a 2-core CPU); NumPy's scan ~100 us; the extension's ~10 us."""
     device = probs.device
     rows = probs.detach().reshape(-1, probs.shape[-1])
     if rows.dtype not in (torch.float32, torch.float64) or device.type != "cpu":  # float64 kept: no mass lost
         rows = (rows if rows.dtype == torch.float64 else rows.float()).cpu()
-    n_rows, size = rows.shape
+    rows = rows.contiguous()
+    n_rows = rows.shape[0]
+    ext = qgemm.loaded()  # never built here: a model's loading builds it
+    totals, single = ext.sample_totals(rows) if ext is not None else _sample_totals(rows.numpy())
+    one = single.tolist()
+    if n_rows == 1 and one[0] >= 0:  # one possible token: no draw
+        return torch.tensor(one[0], device=device).reshape(probs.shape[:-1])
+    if -2 in one:
+        raise ValueError("cannot sample from a row whose probabilities are all 0")
+    u = torch.rand(n_rows, generator=generator, dtype=torch.float64, device=device).cpu()
+    ids = ext.sample_pick(rows, totals, u) if ext is not None else \
+        torch.from_numpy(_sample_pick(rows.numpy(), totals, u.numpy()))
+    out = ids.reshape(probs.shape[:-1])
+    return out if device.type == "cpu" else out.to(device)
+
+
+def _sample_totals(mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`sample`'s first level in NumPy, as the extension computes it: each row's cumulative
+    block totals (R, blocks) float64 and its one id with mass (-1: several, -2: none)."""
+    n_rows, size = mass.shape
     blocks = -(-size // SAMPLE_BLOCK)
-    padded = rows if blocks * SAMPLE_BLOCK == size else torch.nn.functional.pad(rows, (0, blocks * SAMPLE_BLOCK - size))
-    totals = padded.reshape(n_rows, blocks, SAMPLE_BLOCK).sum(-1, dtype=torch.float64).cumsum(-1).numpy()  # (R, blocks)
-    mass = rows.numpy()
-    if n_rows == 1:  # one possible token: its largest mass is the whole total (checked exactly where equal)
-        top = float(mass[0].max())
-        if top > 0 and top == totals[0, -1] and np.count_nonzero(mass[0]) == 1:
-            return torch.tensor(int(mass[0].argmax()), device=device).reshape(probs.shape[:-1])
-    u = torch.rand(n_rows, generator=generator, dtype=torch.float64, device=device).cpu().numpy()
+    padded = np.zeros((n_rows, blocks * SAMPLE_BLOCK), dtype=np.float64)
+    padded[:, :size] = mass
+    totals = np.cumsum(np.cumsum(padded.reshape(n_rows, blocks, SAMPLE_BLOCK), axis=2)[:, :, -1], axis=1)
+    count = np.count_nonzero(mass > 0, axis=1)
+    single = np.where(count == 1, (mass > 0).argmax(axis=1), np.where(count == 0, -2, -1)).astype(np.int64)
+    return totals, single
+
+
+def _sample_pick(mass: np.ndarray, totals: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """`sample`'s second level in NumPy, as the extension computes it: each row's id where
+    u times its total falls."""
+    n_rows, size = mass.shape
+    blocks = totals.shape[1]
     ids = np.empty(n_rows, dtype=np.int64)
     for r in range(n_rows):
         x = u[r] * totals[r, -1]
         j = min(int(np.searchsorted(totals[r], x, side="right")), blocks - 1)  # u * total rounded up: the last block
         lo = j * SAMPLE_BLOCK
-        block = mass[r, lo: lo + SAMPLE_BLOCK]
-        within = np.cumsum(block, dtype=np.float64)
-        if j:
-            within += totals[r, j - 1]
+        block = mass[r, lo: lo + SAMPLE_BLOCK].astype(np.float64)
+        within = np.cumsum(np.concatenate(([totals[r, j - 1] if j else 0.0], block)))[1:]
         i = int(np.searchsorted(within, x, side="right"))
         if i >= len(block):  # x at or past the block's summed end (rounding): the last id with mass
-            nonzero = np.flatnonzero(mass[r, : lo + len(block)] > 0)
-            i = int(nonzero[-1]) - lo
+            i = int(np.flatnonzero(mass[r, : lo + len(block)] > 0)[-1]) - lo
         ids[r] = lo + i
-    out = torch.from_numpy(ids).reshape(probs.shape[:-1])
-    return out if device.type == "cpu" else out.to(device)
+    return ids
 
 
 # ----------------------------------------------------------------- coupled sampling

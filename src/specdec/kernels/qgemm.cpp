@@ -706,6 +706,7 @@ torch::Tensor qgemm_blocks_mm(const torch::Tensor& x, const torch::Tensor& block
 void register_mm8(pybind11::module& m);   // qgemm8.cpp
 void register_mm16(pybind11::module& m);  // qgemm16.cpp
 void register_step(pybind11::module& m);  // step.cpp
+void register_lookup(pybind11::module& m);  // lookup.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "float32 x GGUF block weights (Q4_1, Q8_0) matrix products, row-invariant";
@@ -716,4 +717,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_mm8(m);
   register_mm16(m);
   register_step(m);
+  register_lookup(m);
 }

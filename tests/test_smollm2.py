@@ -163,6 +163,15 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
         assert torch.allclose(b.products[0].mm(x), want, atol=1e-4, rtol=1e-4)
         ref = x @ b.up.weight.detach().T  # Q8_0 of the trained weights: within 1% of their products
         assert float((want - ref).norm() / ref.norm()) < 0.01
+    # its step runs as one call of the extension's layer loop where that builds, with the Python blocks' bits
+    from specdec import layerloop
+
+    assert (prophet._fused is not None) == (layerloop.kernels() is not None and layerloop.loop_choice() != "python")
+    if prophet._fused is not None:
+        for n in (1, 3, 8):
+            x = torch.randn(n, rows.shape[1], generator=torch.Generator().manual_seed(n))
+            e = prophet.embed[torch.arange(n) * 977]
+            assert torch.equal(prophet.guess(x, x, torch.arange(n) * 977, 1), prophet.head.step(x, e))
     float_bytes = sum(p.numel() * 4 for p in prophet.head.parameters())
     assert 3 * weight_bytes(prophet.head) < float_bytes  # the roofline counts the blocks a step reads
     other = torch.float32 if prophet.dtype == torch.bfloat16 else torch.bfloat16

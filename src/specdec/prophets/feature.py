@@ -24,8 +24,9 @@ simply recovered from p. Only the acceptance rate depends on N.
 from __future__ import annotations
 
 import copy
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,25 @@ def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: in
     return logits
 
 
+def _fused_step(head: FeatureHead) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """An eagle's `FeatureHead.step` as one call of the extension's layer loop (`residual_mlps`: the same
+    ATen calls and block products in the same order, so the same bits), where every block multiplies on
+    the block kernels and the C++ loop runs here; else None (the Python blocks)."""
+    from specdec import layerloop
+
+    module = layerloop.kernels()
+    if head.kind != "eagle" or module is None or layerloop.loop_choice() == "python":
+        return None
+    products = [getattr(b, "products", None) for b in head.blocks]
+    if any(p is None for p in products):
+        return None
+    ups = [layerloop._product(module, up, "") for up, _ in products]  # type: ignore[misc]
+    downs = [layerloop._product(module, down, "") for _, down in products]  # type: ignore[misc]
+    if any(p is None for p in ups + downs):
+        return None
+    return functools.partial(module.residual_mlps, ups, downs)
+
+
 def is_feature_prophet(path: str) -> bool:
     return (Path(path) / "prophet.json").is_file()
 
@@ -177,6 +197,7 @@ class FeatureProphet:
                               Int4Weight(quantize_q8_0(b.down.weight.detach())))
             dtype = torch.float32
         self.head = head.to(device=embed.device, dtype=dtype).eval()  # on the target's device
+        self._fused = _fused_step(self.head) if block_head is not None else None
         self.name = name
         self.vocab_size: int | None = vocab_size
         self.embed = embed  # (V, D) the target's, shared
@@ -219,7 +240,8 @@ class FeatureProphet:
         eagle from the previous guess h and the embedding of the token drafted before it,
         medusa from the starting feature h0 alone."""
         if self.head.kind == "eagle":
-            return self.head.step(h, self.embed[tokens].to(self.dtype))
+            e = self.embed[tokens].to(self.dtype)
+            return self._fused(h, e) if self._fused is not None else self.head.step(h, e)
         return self.head.ahead(h0, step)
 
     def draft_logits(self, guess: torch.Tensor) -> torch.Tensor:

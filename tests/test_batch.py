@@ -445,6 +445,42 @@ def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(prophet):
         assert result.passed, (k, s, result)
 
 
+def test_first_hands_a_lone_prophets_q_on_and_pads_the_others():
+    """prompt lookup first, eagle after it, rows sampling: where the eagle sampled every row that has
+    a q, the step's q is the eagle's own tensor (not copied); where lookup drafted longer than the
+    eagle, each sampled row's q is copied into a padded tensor; either way every row the eagle drafted
+    reads the eagle's q (the distributions themselves: the mixed-batch chi-square above)."""
+    engine, _ = toy_engine("ngram+eagle")
+    first = engine.prophet
+    eagle = first.parts[1]
+    seen: list[tuple[object, object]] = []
+    propose, eagle_propose = first.propose, eagle.propose
+
+    def eagle_spy(reqs, ks):
+        got = eagle_propose(reqs, ks)
+        seen.append((got, None))
+        return got
+
+    def first_spy(reqs, ks, budget):
+        seen.clear()
+        out = propose(reqs, ks, budget)
+        eagle_q = seen[0][0].probs if seen else None
+        if eagle_q is not None and out.probs is not None:
+            shared = out.probs.untyped_storage().data_ptr() == eagle_q.untyped_storage().data_ptr()
+            counts["shared" if shared else "copied"] += 1
+            for b, name in enumerate(out.names or []):
+                if name == eagle.name and not out.one_hot[b]:
+                    n = len(out.tokens[b])
+                    assert torch.equal(out.probs[b, :n], eagle_q[b, :n])
+        return out
+
+    counts = Counter()
+    eagle.propose, first.propose = eagle_spy, first_spy
+    requests = [Request([1, 2, 3] * (1 + i % 3), 8, SamplingParams(1.0), 1 if i % 2 else 6, seed=i) for i in range(90)]
+    engine.generate(requests)
+    assert counts["shared"] > 0 and counts["copied"] > 0, counts
+
+
 @pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
 def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(prophet):
     """Long prompts go in 2 tokens a step while short rows beside them sample (the chunked

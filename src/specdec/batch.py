@@ -62,6 +62,7 @@ from specdec.rowprophets import (
     _prefill,
     _probs_by_params,
     in_row_order,
+    padded_q,
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
@@ -115,13 +116,8 @@ def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tens
     one-proposal tree's recursive test."""
     qs = [[q for _, _, q, _ in tree.proposals] for tree in trees]
     one_hot = [all(q is None for q in row) for row in qs]  # a grown row's proposals are all one kind
-    probs = None
-    if not all(one_hot):
-        first = next(q for row in qs for q in row if q is not None)
-        probs = torch.zeros(len(trees), max(len(t.tokens) for t in trees), first.shape[-1], device=first.device)
-        for b, row in enumerate(qs):
-            if not one_hot[b]:
-                probs[b, : len(row)] = torch.stack(row)  # type: ignore[arg-type]
+    rows = {b: torch.stack(row) for b, row in enumerate(qs) if not one_hot[b]}  # type: ignore[arg-type]
+    probs = padded_q(rows, len(trees), max(len(t.tokens) for t in trees)) if rows else None
     return [list(t.tokens) for t in trees], probs, one_hot
 
 

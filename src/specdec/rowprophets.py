@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,10 +198,7 @@ class RowsProphet(LookupBatchProphet):
             self.per_token = (time.perf_counter() - t0) / drafted
         if not q_rows:
             return BatchDraft(tokens, None)
-        first = next(iter(q_rows.values()))
-        probs = torch.zeros(len(reqs), max(len(t) for t in tokens), first.shape[-1], device=first.device)
-        for b, q in q_rows.items():
-            probs[b, : len(q)] = q
+        probs = padded_q(q_rows, len(reqs), max(len(t) for t in tokens))
         return BatchDraft(tokens, probs, one_hot=[b not in q_rows for b in range(len(reqs))])
 
 
@@ -422,6 +419,16 @@ def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Ten
     return in_row_order(rows, gs), in_row_order(rows, [p.draft_logits(x) for x in gs])
 
 
+def padded_q(q_rows: Mapping[int, torch.Tensor], n_rows: int, k_max: int) -> torch.Tensor:
+    """Some rows' q (row b: (k_b, V), k_b <= k_max) in one zeroed (n_rows, k_max, V) tensor, as the
+    verifier reads a batch's draft distributions (the other rows are one-hot: theirs is never read)."""
+    first = next(iter(q_rows.values()))
+    probs = torch.zeros(n_rows, k_max, first.shape[-1], device=first.device)
+    for b, q in q_rows.items():
+        probs[b, : len(q)] = q
+    return probs
+
+
 def in_row_order(rows: Sequence[int], parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Results computed by groups of rows (`parts`, concatenated in the order of `rows`, the row
     index of each of their entries) back in row order 0..B-1."""
@@ -579,8 +586,7 @@ class FirstBatchProphet:
         tokens: list[list[int]] = [[] for _ in reqs]
         names: list[str | None] = [None] * len(reqs)
         one_hot = [True] * len(reqs)  # lookup rows, greedy rows: q is one-hot on the drafted tokens
-        q_rows: dict[int, torch.Tensor] = {}
-        q_from: dict[int, torch.Tensor] = {}  # the prophet's whole q (B, K, V) each of q_rows is from
+        q_from: dict[int, torch.Tensor] = {}  # rows drafted from a sampled q: the prophet's whole q (B, K, V)
         grown: dict[int, tuple[DraftTree, dict[str, list[int]]]] = {}  # rows a branching prophet drafted a tree for
         orders = [self._order(r) for r in reqs]
         # Rank by rank: a row asks its rank-th prophet only while nothing earlier proposed.
@@ -600,7 +606,7 @@ class FirstBatchProphet:
                     tokens[b], names[b] = t, part.name
                     if got.probs is not None and not (got.one_hot and got.one_hot[b]):
                         one_hot[b] = False
-                        q_rows[b], q_from[b] = got.probs[b, : len(t)], got.probs
+                        q_from[b] = got.probs
         if grown:  # every row's draft as a tree: the grown ones, the others' chains
             trees = [DraftTree() for _ in reqs]
             chains: list[dict[str, list[int]]] = [{} for _ in reqs]
@@ -609,20 +615,18 @@ class FirstBatchProphet:
                     trees[b], chains[b] = grown[b]
                 elif t:
                     name = str(names[b])  # set with t
-                    trees[b].add_chain(t, q_rows.get(b), name)
+                    trees[b].add_chain(t, q_from[b][b, : len(t)] if b in q_from else None, name)
                     chains[b] = {name: t}
             return BatchDraft([[] for _ in reqs], None, names, trees=trees, chains=chains)
-        if not q_rows:
+        if not q_from:
             return BatchDraft(tokens, None, names)
         k_max = max(len(t) for t in tokens)
-        first = next(iter(q_rows.values()))
-        whole = q_from[next(iter(q_rows))]  # the (B, K, V) q a prophet returned
-        if whole.shape[1] >= k_max and all(q_from[b] is whole for b in q_rows):
-            # one prophet sampled every such row (zeros in the rows it left): its q as it is, not copied
+        whole = next(iter(q_from.values()))
+        if whole.shape[1] >= k_max and all(q is whole for q in q_from.values()):
+            # one prophet sampled every such row: its q as it is, not copied (the verifier reads no
+            # other row's q: those rows are one-hot)
             return BatchDraft(tokens, whole[:, :k_max], names, one_hot)
-        probs = torch.zeros(len(reqs), k_max, first.shape[-1], device=first.device)
-        for b, q in q_rows.items():
-            probs[b, : len(q)] = q
+        probs = padded_q({b: q[b, : len(tokens[b])] for b, q in q_from.items()}, len(reqs), k_max)
         return BatchDraft(tokens, probs, names, one_hot)
 
 
@@ -734,4 +738,4 @@ def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) ->
 
 __all__ = ["TREE", "BatchDraft", "BatchProphet", "EarlyExitBatchProphet", "Eagle3BatchProphet", "FeatureBatchProphet",
            "FirstBatchProphet", "LookupBatchProphet", "ModelBatchProphet", "NgramBatchProphet", "RowsProphet",
-           "TreeBatchProphet"]
+           "TreeBatchProphet", "padded_q"]

@@ -147,13 +147,13 @@ def _fused_step(head: FeatureHead) -> Callable[[torch.Tensor, torch.Tensor], tor
     """An eagle's `FeatureHead.step` as one call of the extension's layer loop (`residual_mlps`: the same
     ATen calls and block products in the same order, so the same bits), where every block multiplies on
     the block kernels and the C++ loop runs here; else None (the Python blocks)."""
+    products = [getattr(b, "products", None) for b in head.blocks]
+    if head.kind != "eagle" or any(p is None for p in products):
+        return None  # checked before asking for the extension: a float prophet never builds it
     from specdec import layerloop
 
     module = layerloop.kernels()
-    if head.kind != "eagle" or module is None or layerloop.loop_choice() == "python":
-        return None
-    products = [getattr(b, "products", None) for b in head.blocks]
-    if any(p is None for p in products):
+    if module is None or layerloop.loop_choice() == "python":
         return None
     ups = [layerloop._product(module, up, "") for up, _ in products]  # type: ignore[misc]
     downs = [layerloop._product(module, down, "") for _, down in products]  # type: ignore[misc]
@@ -197,7 +197,7 @@ class FeatureProphet:
                               Int4Weight(quantize_q8_0(b.down.weight.detach())))
             dtype = torch.float32
         self.head = head.to(device=embed.device, dtype=dtype).eval()  # on the target's device
-        self._fused = _fused_step(self.head) if block_head is not None else None
+        self._fused = _fused_step(self.head)
         self.name = name
         self.vocab_size: int | None = vocab_size
         self.embed = embed  # (V, D) the target's, shared

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from specdec import layerloop
+from specdec import layerloop, qgemm
 from specdec.defaults import HEAPS, KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
@@ -315,13 +315,14 @@ class LlamaWeights:
 
     def _mm(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """x (..., D) @ weight.T: a 4-bit weight through the int4 kernel (rows as `int4_rows`
-        says); a float one with its rows padded as `row_policy` says where `bucket_rows` says so."""
+        says); a float one with its rows padded as `row_policy` says where `bucket_rows` says so;
+        float32 on the CPU through `qgemm.f32_product` (a few rows: specdec's kernel, rows invariant)."""
         if isinstance(weight, Int4Weight):
             return weight.mm(x, self.int4_rows)
         if isinstance(weight, Int8Weight):
             return weight.mm(x)
         if not self.bucket_rows:
-            return x @ weight.T
+            return qgemm.f32_product(x, weight)
         flat = x.reshape(-1, x.shape[-1])
         return row_product(flat, weight, self.row_policy).view(*x.shape[:-1], weight.shape[0])
 

@@ -707,6 +707,7 @@ void register_mm8(pybind11::module& m);   // qgemm8.cpp
 void register_mm16(pybind11::module& m);  // qgemm16.cpp
 void register_step(pybind11::module& m);  // step.cpp
 void register_lookup(pybind11::module& m);  // lookup.cpp
+void register_f32(pybind11::module& m);     // f32mm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "float32 x GGUF block weights (Q4_1, Q8_0) matrix products, row-invariant";
@@ -718,4 +719,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_mm16(m);
   register_step(m);
   register_lookup(m);
+  register_f32(m);
 }

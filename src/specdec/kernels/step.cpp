@@ -34,6 +34,8 @@ torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& blo
 void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N, float* out);
 void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t fmt, int64_t K, int64_t N,
                   float* out);
+// x (..., K) float32 @ w.T, rows invariant up to f32_rows() rows (f32mm.cpp)
+torch::Tensor f32_product(const torch::Tensor& x, const torch::Tensor& w);
 
 namespace {
 
@@ -508,7 +510,7 @@ struct Product {
 
   // x (..., K) -> (..., out_rows) in x's dtype (`LlamaWeights._mm` / `Int4Weight.mm`)
   torch::Tensor mm(const torch::Tensor& x) const {
-    if (kind == FLOAT) return at::matmul(x, weight.t());
+    if (kind == FLOAT) return f32_product(x, weight);  // as LlamaWeights._mm (kernels/f32mm.cpp)
     const auto act = kind == INT4_TORCH ? at::kBFloat16 : at::kFloat;
     auto flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
     if (flat.scalar_type() != act) flat = flat.to(act);

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdec import qgemm
 from specdec.prophets.base import Draft, KeepDrafting, span
 from specdec.sampling import SamplingParams, draw, logits_to_probs
 
@@ -249,7 +250,7 @@ class FeatureProphet:
         if self.block_head is not None:
             return self.block_head.mm(guess.float())  # type: ignore[no-any-return]
         assert self.sub_head is not None
-        return (guess.to(self.dtype) @ self.sub_head.T).float()
+        return qgemm.f32_product(guess.to(self.dtype), self.sub_head).float()  # x @ sub_head.T
 
     @property
     def head_weight(self) -> Any:

@@ -324,7 +324,8 @@ class SpeculativeDecoder:
         alone; 22: the calibration times the step's own verification, `_verify_chains`; 23: the KV cache's dtype,
         float16 for a 4-bit target, and a pass's queries ordered by key head; 24: the sampler's scan and a Q8_0
         table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
-        extension), so that costs stored before are measured again."""
+        extension; 26: float32 products of a few rows on specdec's kernel), so that costs stored before are
+        measured again."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -332,7 +333,7 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        return {"version": 25, "target": self.target.name, "target_class": type(self.target).__name__,
+        return {"version": 26, "target": self.target.name, "target_class": type(self.target).__name__,
                 "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                 "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                 "kv_dtype": str(getattr(rows, "kv_dtype", "")),

@@ -324,8 +324,9 @@ class SpeculativeDecoder:
         alone; 22: the calibration times the step's own verification, `_verify_chains`; 23: the KV cache's dtype,
         float16 for a 4-bit target, and a pass's queries ordered by key head; 24: the sampler's scan and a Q8_0
         table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
-        extension; 26: float32 products of a few rows on specdec's kernel), so that costs stored before are
-        measured again."""
+        extension), so that costs stored before are measured again. A lean float32 target's key also names its
+        products of a few rows (`f32_products`: specdec's kernel since 2026-12-06, much cheaper than PyTorch's),
+        so its costs were measured again and no other target's were."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -333,14 +334,17 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        return {"version": 26, "target": self.target.name, "target_class": type(self.target).__name__,
-                "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
-                "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
-                "kv_dtype": str(getattr(rows, "kv_dtype", "")),
-                "device": str(self.target.device),
-                "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
-                "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
-                "threads": torch.get_num_threads(), "torch": torch.__version__}
+        key = {"version": 25, "target": self.target.name, "target_class": type(self.target).__name__,
+               "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
+               "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
+               "kv_dtype": str(getattr(rows, "kv_dtype", "")),
+               "device": str(self.target.device),
+               "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
+               "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
+        if rows is not None and str(getattr(model, "dtype", "")) == "torch.float32" and not key["int4"]:
+            key["f32_products"] = "f32mm"  # qgemm.f32_product (kernels/f32mm.cpp)
+        return key
 
     def decision_costs(self) -> Costs:
         """The costs this decoder's K policies decide from, fixed once per decoder, whichever

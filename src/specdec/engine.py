@@ -334,15 +334,16 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
+        dtype = str(getattr(model, "dtype", ""))
         key = {"version": 25, "target": self.target.name, "target_class": type(self.target).__name__,
-               "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
+               "dtype": dtype, "int4": bool(getattr(self.target, "int4", False)),
                "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                "kv_dtype": str(getattr(rows, "kv_dtype", "")),
                "device": str(self.target.device),
                "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
                "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
-        if rows is not None and str(getattr(model, "dtype", "")) == "torch.float32" and not key["int4"]:
+        if rows is not None and dtype == "torch.float32" and not key["int4"]:
             key["f32_products"] = "f32mm"  # qgemm.f32_product (kernels/f32mm.cpp)
         return key
 

@@ -1,4 +1,5 @@
-"""Matrix products of float32 activations with GGUF 4-bit and 8-bit block weights, on the CPU.
+"""Matrix products of float32 activations with GGUF 4-bit and 8-bit block weights, on the CPU
+(and, `f32_product`, of a few float32 rows with float32 weights: kernels/f32mm.cpp).
 
 `q4_1_mm(x, blocks)` and `q8_0_mm(x, blocks)` compute x @ W.T for a weight matrix W (N, K) held as
 the blocks of a GGUF file, byte for byte (llama.cpp's layouts, 32 weights a block):
@@ -197,9 +198,9 @@ def f32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     thread count or the instruction set, at the memory's speed (2-core AMD EPYC Zen 4, SmolLM2's
     49,152 x 576 head: 4.7 ms for 1 row and 4.6 for 2, against ATen's 10.5 and 24.7; its
     3,072 x 576 product 0.27 ms for 1 to 4 rows against 0.61-1.33); more rows (a prompt) on
-    ATen's matmul. Elsewhere ATen's matmul."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu" \
-            and weight.device.type == "cpu":
+    ATen's matmul; the extension's `f32_product` decides (dtype, device, rows). Other devices
+    never load the extension for it."""
+    if x.device.type == "cpu":
         module = _module if _module is not None else _load()
         if module is not None:
             return module.f32_product(x, weight)  # type: ignore[no-any-return]

@@ -224,13 +224,15 @@ def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
         torch.testing.assert_close(got[b], FastLlamaLM(model, "ref").forward(ctx, 2), atol=0.1, rtol=0.05)
 
 
-def test_bfloat16_verification_scores_exactly_what_one_token_steps_score(tiny_pair):
-    """In bfloat16, attention over n queries at once rounds differently from n one-token steps;
-    the lean path attends the scored rows one by one, so a verification pass returns, bit for
-    bit, the logits plain decoding computes, and greedy speculative output equals plain."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verification_scores_exactly_what_one_token_steps_score(tiny_pair, dtype):
+    """In bfloat16 (and float32), attention over n queries at once rounds differently from n
+    one-token steps; the lean path attends the scored rows one by one (and float32 products of
+    up to 64 rows keep each row's bits: kernels/f32mm.cpp), so a verification pass returns, bit
+    for bit, the logits plain decoding computes, and greedy speculative output equals plain."""
     from specdec import load
 
-    model = smollm2_shaped().to(torch.bfloat16)
+    model = smollm2_shaped().to(dtype)
     g = torch.Generator().manual_seed(3)
     ctx, new = torch.randint(97, (40,), generator=g).tolist(), torch.randint(97, (9,), generator=g).tolist()
     for prefix in (ctx[:1], ctx):
@@ -242,8 +244,10 @@ def test_bfloat16_verification_scores_exactly_what_one_token_steps_score(tiny_pa
         for n in (2, 5, 9):
             assert torch.equal(fast.forward(new[:n], n), singles[:n]), n
             fast.truncate(len(prefix))
-        assert torch.equal(fast.forward(new, 3), singles[-3:])  # leading rows together, the scored ones alone
-    spec = load(tiny_pair["target"], draft=tiny_pair["far"], draft_tokens=5, dtype=torch.bfloat16)
+        if dtype == torch.bfloat16:  # leading rows together (as a prompt block), the scored ones alone: in
+            # bfloat16 the leading rows' hidden states round alike; in float32 an ulp of the block's attention stays
+            assert torch.equal(fast.forward(new, 3), singles[-3:])
+    spec = load(tiny_pair["target"], draft=tiny_pair["far"], draft_tokens=5, dtype=dtype)
     plain = spec.plain()
     for prompt in ("def ", "import os\n", "class A:"):
         want = plain.generate(prompt, max_new_tokens=40, temperature=0).token_ids
@@ -251,17 +255,24 @@ def test_bfloat16_verification_scores_exactly_what_one_token_steps_score(tiny_pa
         assert got.token_ids == want and got.stats.drafted > 0
 
 
-def test_bfloat16_batch_rows_score_exactly_what_the_request_alone_scores():
-    """Each row of a bfloat16 batch attends on its own (and its products round as one row's):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_rows_score_exactly_what_the_request_alone_scores(dtype):
+    """Each row of a bfloat16 (or float32) batch attends on its own (and its products round as one row's):
     whatever shares the batch and however its rows are padded, a row's logits are, bit for
     bit, those of the same tokens through the one-request path."""
-    model = smollm2_shaped().to(torch.bfloat16)
+    model = smollm2_shaped().to(dtype)
     g = torch.Generator().manual_seed(4)
     contexts = [torch.randint(97, (n,), generator=g).tolist() for n in (3, 30, 11, 17)]
     feeds = [torch.randint(97, (n,), generator=g).tolist() for n in (9, 1, 5, 3)]
     batch = BatchLlama(model, "b", slots=4)
     assert batch.exact_rows
-    batch.forward([0, 1, 2, 3], [0] * 4, contexts, [0] * 4)  # prefill, rows padded to the longest
+    if dtype == torch.bfloat16:
+        batch.forward([0, 1, 2, 3], [0] * 4, contexts, [0] * 4)  # prefill, rows padded to the longest
+    else:  # in float32 a prompt read of more than qgemm.f32_rows() rows in all runs on ATen's matmul, whose
+        # rows are not invariant, and a prompt's last query attends alone where its logits are asked for (an ulp
+        # apart from the block's): each prompt read as the one-request path reads it
+        for b, ctx in enumerate(contexts):
+            batch.forward([b], [0], [ctx], [1])
     got = batch.forward([0, 1, 2, 3], [len(c) for c in contexts], feeds, [len(f) for f in feeds])
     for b, (ctx, feed) in enumerate(zip(contexts, feeds, strict=True)):
         fast = FastLlamaLM(model, "f")
@@ -270,18 +281,19 @@ def test_bfloat16_batch_rows_score_exactly_what_the_request_alone_scores():
         assert torch.equal(got[b, : len(feed)], want), b
 
 
-def test_bfloat16_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair):
-    """A token tree in a bfloat16 batch (each node seeing its ancestors only): the chain's last
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair, dtype):
+    """A token tree in a bfloat16 (or float32) batch (each node seeing its ancestors only): the chain's last
     token and every node score, bit for bit, what a one-token step at that place scores, so
     greedy speculative decoding with --multi tree equals plain bfloat16 decoding."""
     from specdec import load
 
-    model = smollm2_shaped().to(torch.bfloat16)
+    model = smollm2_shaped().to(dtype)
     g = torch.Generator().manual_seed(6)
     ctx, chain = torch.randint(97, (23,), generator=g).tolist(), torch.randint(97, (2,), generator=g).tolist()
     tokens, parents = [5, 7, 9, 11, 13, 2], [-1, 0, 0, 1, -1, 3]
     batch = BatchLlama(model, "b", slots=2)
-    batch.forward([1], [0], [ctx], [0])
+    batch.forward([1], [0], [ctx], [0 if dtype == torch.bfloat16 else 1])  # float32: the prompt read as alone
     got = batch.forward([1], [len(ctx)], [chain + tokens], [len(tokens) + 1], trees=[parents])[0]
 
     def one_token_steps(seq):
@@ -297,7 +309,7 @@ def test_bfloat16_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair):
             node = parents[node]
         assert torch.equal(got[i + 1], one_token_steps(chain + path)), i
     spec = load(tiny_pair["target"], draft=f"{tiny_pair['far']}+ngram", multi="tree", policy="fixed", draft_tokens=4,
-                dtype=torch.bfloat16)
+                dtype=dtype)
     plain = spec.plain()
     for prompt in ("def ", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["):
         got_ids = spec.generate(prompt, max_new_tokens=32, temperature=0)

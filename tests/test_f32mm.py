@@ -34,11 +34,12 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_rows_have_one_value_whatever_shares_the_product(n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=gen)
-    x = torch.randn(16, k, generator=gen) * 3
+    rows = qgemm.f32_rows()
+    x = torch.randn(rows, k, generator=gen) * 3
     ext = qgemm.module()
-    alone = torch.cat([ext.f32_mm(x[i : i + 1], w) for i in range(16)])
-    for m in range(1, 17):  # every row count the kernel serves, rows from anywhere in x
-        start = (m * 5) % (17 - m)
+    alone = torch.cat([ext.f32_mm(x[i : i + 1], w) for i in range(rows)])
+    for m in range(1, rows + 1):  # every row count the kernel serves, rows from anywhere in x
+        start = (m * 5) % (rows + 1 - m)
         assert torch.equal(ext.f32_mm(x[start : start + m], w), alone[start : start + m]), m
     threads = torch.get_num_threads()
     try:
@@ -65,7 +66,7 @@ def test_product_routes_few_rows_to_the_kernel_and_more_to_aten() -> None:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 64, generator=gen)
     rows = qgemm.f32_rows()
-    assert rows == 16
+    assert rows == 64
     few = torch.randn(2, 3, 64, generator=gen)  # 6 rows in a (2, 3, K) tensor
     assert torch.equal(qgemm.f32_product(few, w), qgemm.module().f32_mm(few.reshape(6, 64), w).view(2, 3, 48))
     many = torch.randn(rows + 1, 64, generator=gen)

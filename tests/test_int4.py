@@ -229,7 +229,7 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
     assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in KERNELS[1:]
     assert (decoder.costs_key()["kv_dtype"], float32.costs_key()["kv_dtype"]) == ("torch.float16", "torch.float32")
     # a float32 target's few-row products run on specdec's float32 kernel: named in its key alone
-    assert float32.costs_key()["f32_products"] == "f32mm" and "f32_products" not in decoder.costs_key()
+    assert float32.costs_key()["f32_products"] == "f32mm-64-exact" and "f32_products" not in decoder.costs_key()
     assert {k: v for k, v in decoder.costs_key().items() if not k.startswith(("int4", "kv_dtype"))} == \
         {k: v for k, v in float32.costs_key().items() if not k.startswith(("int4", "kv_dtype", "f32_products"))}
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specdec import layerloop
+from specdec import layerloop, qgemm
 from specdec.batch import BatchEngine
 from specdec.costmodel import Costs, OtherLoad
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
@@ -325,8 +325,9 @@ class SpeculativeDecoder:
         float16 for a 4-bit target, and a pass's queries ordered by key head; 24: the sampler's scan and a Q8_0
         table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
         extension), so that costs stored before are measured again. A lean float32 target's key also names its
-        products of a few rows (`f32_products`: specdec's kernel since 2026-12-06, much cheaper than PyTorch's),
-        so its costs were measured again and no other target's were."""
+        products of a few rows (`f32_products`: specdec's kernel since 2026-12-06, much cheaper than PyTorch's,
+        and up to 64 rows since the next session, its scored rows attending alone: "f32mm-64-exact"), so its costs
+        were measured again and no other target's were."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -344,7 +345,9 @@ class SpeculativeDecoder:
                "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
         if rows is not None and dtype == "torch.float32" and not key["int4"]:
-            key["f32_products"] = "f32mm"  # qgemm.f32_product (kernels/f32mm.cpp)
+            rows_here = qgemm.f32_rows()  # qgemm.f32_product (kernels/f32mm.cpp); scored rows attending alone
+            exact = "-exact" if rows.exact_rows else ""
+            key["f32_products"] = f"f32mm-{rows_here}{exact}" if rows_here else "aten"
         return key
 
     def decision_costs(self) -> Costs:

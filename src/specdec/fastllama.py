@@ -473,11 +473,20 @@ class BatchLlama(LlamaWeights):
         self.forward_calls = 0
         self.freed_bytes, self.freed_large = 0, False  # freed since the heap was last trimmed (trim_due)
         # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
-        # scores exactly what the same request alone (or plain decoding) would.
-        self.exact_rows = self.bucket_rows
+        # scores exactly what the same request alone (or plain decoding) would. In float32 too
+        # where specdec's float32 kernel runs the products (`qgemm.f32_product`: a row's bits
+        # whatever shares the product, up to `qgemm.f32_rows()` rows a product).
+        self.exact_rows = self.bucket_rows or self.f32_rows_exact()
         # Leading (prompt) queries attend in chunks of this many positions, aligned to it
         self.attention_chunk = PREFILL_CHUNK
         self.kv_dtype = kv_dtype_for(self, kv_dtype)  # what the slots' caches hold (float16 for a 4-bit target)
+
+    def f32_rows_exact(self) -> bool:
+        """Whether this model's products are float32 ones on specdec's row-invariant kernel (float32
+        weights on the CPU, the extension built), so that scored rows attending alone compute
+        exactly what one-token steps do."""
+        return (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32 and not self.int4
+                and not self.int8 and qgemm.f32_rows() > 0)
 
     def view(self, slots: int) -> BatchLlama:
         """Another model of `slots` slots over the same (fused, possibly quantized) weights,

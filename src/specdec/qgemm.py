@@ -193,11 +193,12 @@ def _require() -> ModuleType:
 
 def f32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ weight.T. Float32 on the CPU where the extension builds: products of up to
-    `f32_rows()` rows (16: decoding steps, verification passes, small batches) on specdec's own
+    `f32_rows()` rows (64: decoding steps, verification passes, token trees, batches) on specdec's own
     kernel (kernels/f32mm.cpp), whose every row has the same bits whatever the row count, the
     thread count or the instruction set, at the memory's speed (2-core AMD EPYC Zen 4, SmolLM2's
     49,152 x 576 head: 4.7 ms for 1 row and 4.6 for 2, against ATen's 10.5 and 24.7; its
-    3,072 x 576 product 0.27 ms for 1 to 4 rows against 0.61-1.33); more rows (a prompt) on
+    3,072 x 576 product 0.27 ms for 1 to 4 rows against 0.61-1.33; 64 rows of the head 25 ms against
+    33); more rows (a prompt) on
     ATen's matmul; the extension's `f32_product` decides (dtype, device, rows). Other devices
     never load the extension for it."""
     if x.device.type == "cpu":
@@ -208,8 +209,10 @@ def f32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def f32_rows() -> int:
-    """The most rows `f32_product` multiplies on specdec's float32 kernel."""
-    return int(_require().f32_rows())
+    """The most rows `f32_product` multiplies on specdec's float32 kernel; 0 where the extension is
+    unavailable (every float32 product then runs on ATen's matmul)."""
+    module = _load()
+    return 0 if module is None else int(module.f32_rows())
 
 
 def _mm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, impl: str, int8: bool = False) -> torch.Tensor:

@@ -29,7 +29,11 @@
 
 namespace {
 
-constexpr int64_t F32_ROWS = 16;  // products of up to this many rows run here (`f32_rows`); more on ATen's matmul
+// Products of up to this many rows run here (`f32_rows`); more on ATen's matmul. On a 2-core AMD EPYC Zen 4 this kernel
+// beats ATen's up to 64 rows on SmolLM2's three shapes (49,152 x 576: 25.2 ms against 33.3 at 64 rows, 3,072 x 576:
+// 1.58 against 1.73) and ATen's blocked GEMM wins from ~96 rows (185 GFLOP/s against this kernel's ~145): 64 covers a
+// batch of 8 rows scoring 7 drafted tokens each, or a token tree of 64 nodes, with every row's bits its own.
+constexpr int64_t F32_ROWS = 64;
 constexpr int64_t L = 16;         // partial sums an output
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import load
+from specdec import load, qgemm
 from specdec.certify import goodness_of_fit
 from specdec.defaults import models_dir
 from specdec.int4 import (
@@ -229,7 +229,8 @@ def test_int4_loads_by_name_and_dtype_and_refuses_what_it_cannot_run(tiny_pair):
     assert decoder.costs_key()["int4_kernel"] == decoder.target.int4_kernel in KERNELS[1:]
     assert (decoder.costs_key()["kv_dtype"], float32.costs_key()["kv_dtype"]) == ("torch.float16", "torch.float32")
     # a float32 target's few-row products run on specdec's float32 kernel: named in its key alone
-    assert float32.costs_key()["f32_products"] == "f32mm-64-exact" and "f32_products" not in decoder.costs_key()
+    f32_products = f"f32mm-64-exact-{qgemm.f32_tile()}"
+    assert float32.costs_key()["f32_products"] == f32_products and "f32_products" not in decoder.costs_key()
     assert {k: v for k, v in decoder.costs_key().items() if not k.startswith(("int4", "kv_dtype"))} == \
         {k: v for k, v in float32.costs_key().items() if not k.startswith(("int4", "kv_dtype", "f32_products"))}
 

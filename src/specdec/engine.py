@@ -326,8 +326,8 @@ class SpeculativeDecoder:
         table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
         extension), so that costs stored before are measured again. A lean float32 target's key also names its
         products of a few rows (`f32_products`: specdec's kernel since 2026-12-06, much cheaper than PyTorch's,
-        and up to 64 rows since the next session, its scored rows attending alone: "f32mm-64-exact"), so its costs
-        were measured again and no other target's were."""
+        and up to 64 rows since the next session, its scored rows attending alone, in the kernel's tile:
+        "f32mm-64-exact-6x4"), so its costs were measured again and no other target's were."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -347,7 +347,7 @@ class SpeculativeDecoder:
         if rows is not None and dtype == "torch.float32" and not key["int4"]:
             rows_here = qgemm.f32_rows()  # qgemm.f32_product (kernels/f32mm.cpp); scored rows attending alone
             exact = "-exact" if rows.exact_rows else ""
-            key["f32_products"] = f"f32mm-{rows_here}{exact}" if rows_here else "aten"
+            key["f32_products"] = f"f32mm-{rows_here}{exact}-{qgemm.f32_tile()}" if rows_here else "aten"
         return key
 
     def decision_costs(self) -> Costs:

@@ -215,6 +215,13 @@ def f32_rows() -> int:
     return 0 if module is None else int(module.f32_rows())
 
 
+def f32_tile() -> str:
+    """The tile specdec's float32 kernel multiplies in on this machine (weight rows x activation
+    rows, e.g. "6x4" with AVX-512); "" where the extension is unavailable."""
+    module = _load()
+    return "" if module is None else str(module.f32_tile())
+
+
 def _mm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, impl: str, int8: bool = False) -> torch.Tensor:
     module = _module if _module is not None else _require()
     entry = module.qmm8 if int8 else module.qmm

@@ -198,9 +198,8 @@ def f32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     thread count or the instruction set, at the memory's speed (2-core AMD EPYC Zen 4, SmolLM2's
     49,152 x 576 head: 4.7 ms for 1 row and 4.6 for 2, against ATen's 10.5 and 24.7; its
     3,072 x 576 product 0.27 ms for 1 to 4 rows against 0.61-1.33; 64 rows of the head 25 ms against
-    33); more rows (a prompt) on
-    ATen's matmul; the extension's `f32_product` decides (dtype, device, rows). Other devices
-    never load the extension for it."""
+    33); more rows (a prompt) on ATen's matmul; the extension's `f32_product` decides (dtype,
+    device, rows). Other devices never load the extension for it."""
     if x.device.type == "cpu":
         module = _module if _module is not None else _load()
         if module is not None:

@@ -317,6 +317,31 @@ def test_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair, dtype):
         assert max(e.tree_size for e in got_ids.events) > 1
 
 
+def test_a_float32_verification_tree_runs_in_the_cpp_loop_and_scores_as_one_token_steps(monkeypatch):
+    """In float32 (specdec's float32 kernel, scored rows alone) a verification pass's token tree (one
+    pending token, then the nodes) runs in the C++ layer loop: the Python loop's tree attention is
+    never called, and every node scores what a one-token step at its place scores."""
+    from specdec import layerloop
+
+    monkeypatch.setenv("SPECDEC_LAYER_LOOP", "auto")  # the default, whatever the environment forces
+    model = smollm2_shaped().to(torch.float32)
+    batch = BatchLlama(model, "b", slots=1)
+    assert batch.exact_rows and layerloop.stack_for(batch) is not None
+
+    def python_tree(*args, **kwargs):
+        raise AssertionError("the tree pass ran the Python layer loop")
+
+    monkeypatch.setattr(BatchLlama, "_tree_attention", python_tree)
+    ctx, tokens, parents = list(range(3, 30)), [5, 7, 9, 11], [-1, 0, 0, 1]
+    batch.forward([0], [0], [ctx[:-1]], [1])
+    got = batch.forward([0], [len(ctx) - 1], [ctx[-1:] + tokens], [len(tokens) + 1], trees=[parents])[0]
+    for i, seq in enumerate([[], [5], [5, 7], [5, 9], [5, 7, 11]]):
+        fast = FastLlamaLM(model, "f")
+        fast.forward(ctx[:-1], 1)
+        want = [fast.forward([t], 1)[0] for t in ctx[-1:] + seq][-1]
+        assert torch.equal(got[i], want), i
+
+
 # ----------------------------------------------------------------- greedy equality per row
 
 PROMPT_LENGTHS, MAX_NEW, KS = (3, 9, 17, 5, 1, 30), (12, 20, 7, 16, 10, 14), (0, 1, 3, 5, 4, 2)

@@ -324,10 +324,10 @@ class SpeculativeDecoder:
         alone; 22: the calibration times the step's own verification, `_verify_chains`; 23: the KV cache's dtype,
         float16 for a 4-bit target, and a pass's queries ordered by key head; 24: the sampler's scan and a Q8_0
         table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
-        extension), so that costs stored before are measured again. A lean float32 target's key on the CPU also
-        names its products of a few rows (`f32_products`: specdec's kernel since 2026-12-06, much cheaper than
-        PyTorch's, and up to 64 rows since the next session, its scored rows attending alone, in the kernel's
-        tile: "f32mm-64-exact-6x4"), so its costs were measured again and no other target's were."""
+        extension), so that costs stored before are measured again. A lean float32 target whose products run on
+        specdec's float32 kernel (`BatchLlama.f32_rows_exact`) also names them in its key (`f32_products`: the
+        kernel's rows, its scored rows attending alone, its tile: "f32mm-64-exact-6x4"), so its costs were
+        measured again and no other target's were."""
         import platform
 
         from specdec.defaults import cpu_model
@@ -335,19 +335,16 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
         loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        dtype = str(getattr(model, "dtype", ""))
         key = {"version": 25, "target": self.target.name, "target_class": type(self.target).__name__,
-               "dtype": dtype, "int4": bool(getattr(self.target, "int4", False)),
+               "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
                "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
                "kv_dtype": str(getattr(rows, "kv_dtype", "")),
                "device": str(self.target.device),
                "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
                "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
-        if rows is not None and dtype == "torch.float32" and not key["int4"] and key["device"] == "cpu":
-            rows_here = qgemm.f32_rows()  # qgemm.f32_product (kernels/f32mm.cpp); scored rows attending alone
-            exact = "-exact" if rows.exact_rows else ""
-            key["f32_products"] = f"f32mm-{rows_here}{exact}-{qgemm.f32_tile()}" if rows_here else "aten"
+        if rows is not None and rows.f32_rows_exact():  # its products on kernels/f32mm.cpp, scored rows alone
+            key["f32_products"] = f"f32mm-{qgemm.f32_rows()}-exact-{qgemm.f32_tile()}"
         return key
 
     def decision_costs(self) -> Costs:

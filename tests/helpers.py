@@ -3,7 +3,7 @@
 from collections import Counter
 
 from specdec.certify import goodness_of_fit
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 

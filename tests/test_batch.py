@@ -14,7 +14,7 @@ from specdec.api import batch_engine
 from specdec.batch import BatchEngine, BatchLlama
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
-from specdec.fastllama import FastLlamaLM, row_bucket
+from specdec.llama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verify_rows_reference
 from specdec.request import Request

@@ -28,13 +28,13 @@ def test_a_long_request_holds_only_its_own_slot_and_gives_it_back():
 def test_freed_caches_go_back_to_the_system_when_large_or_when_the_last_slot_leaves(monkeypatch):
     """A large freed cache is trimmed at once; small ones stay for the next requests while any
     slot runs, and are handed back (once TRIM_BYTES were freed) when the last one leaves."""
-    import specdec.fastllama as fastllama
+    import specdec.llama as llama
 
     lm = BatchLlama(smollm2_shaped(), "b", slots=4)
     for slot in range(4):
         lm.forward([slot], [0], [[1, 2, 3]], [1])
     slot_bytes = lm.position_bytes() * lm.k_slots[0].shape[2]
-    monkeypatch.setattr(fastllama, "TRIM_BYTES", int(2.5 * slot_bytes))
+    monkeypatch.setattr(llama, "TRIM_BYTES", int(2.5 * slot_bytes))
     due = []
     for slot in range(3):  # 3 slots' bytes freed, one still running: kept for reuse
         lm.free(slot)
@@ -44,7 +44,7 @@ def test_freed_caches_go_back_to_the_system_when_large_or_when_the_last_slot_lea
     lm.forward([0], [0], [[1, 2, 3]], [1])
     lm.free(0)  # the last slot again, but less than TRIM_BYTES freed since
     assert not lm.trim_due()
-    monkeypatch.setattr(fastllama, "TRIM_BYTES", slot_bytes)
+    monkeypatch.setattr(llama, "TRIM_BYTES", slot_bytes)
     lm.forward([1], [0], [[1, 2, 3]], [1])
     lm.forward([2], [0], [[1, 2, 3]], [1])
     lm.free(1)  # as large as TRIM_BYTES: at once, though a slot runs
@@ -55,11 +55,11 @@ def test_the_engine_trims_once_a_requests_whole_state_is_dropped(tiny_pair, monk
     """The engine asks after freeing the target's slot, the prophets' state and the request's
     features, so that what they held goes back with the slot."""
     import specdec.batch as batch
-    import specdec.fastllama as fastllama
+    import specdec.llama as llama
 
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     seen: list[tuple[bool, bool]] = []
-    monkeypatch.setattr(fastllama, "TRIM_BYTES", 1)
+    monkeypatch.setattr(llama, "TRIM_BYTES", 1)
     monkeypatch.setattr(batch, "trim_heap", lambda: seen.append((engine.target.kv_bytes() == 0,
                                                                    engine.prophet.lm.kv_bytes() == 0)))
     engine.generate([[1, 2, 3]], max_new_tokens=4, temperature=0)
@@ -142,7 +142,7 @@ def test_one_heap_is_set_unless_per_thread_is_asked_and_a_bad_value_is_an_error(
     """`specdec serve` (and each replica) calls one_heap before loading; glibc takes M_ARENA_MAX 1."""
     import ctypes.util
 
-    from specdec.fastllama import one_heap
+    from specdec.llama import one_heap
 
     monkeypatch.setenv("SPECDEC_HEAPS", "per-thread")
     assert one_heap() is False
@@ -156,11 +156,11 @@ def test_one_heap_is_set_unless_per_thread_is_asked_and_a_bad_value_is_an_error(
 def test_serve_sets_one_heap_before_it_loads(monkeypatch):
     """The order matters: the model's threads are made while loading."""
     import specdec.api
-    import specdec.fastllama
+    import specdec.llama
     from specdec.cli import main
 
     calls: list[str] = []
-    monkeypatch.setattr(specdec.fastllama, "one_heap", lambda: calls.append("one_heap") or True)
+    monkeypatch.setattr(specdec.llama, "one_heap", lambda: calls.append("one_heap") or True)
 
     def load(*args, **kwargs):
         calls.append("load")

@@ -12,7 +12,7 @@ import torch
 from specdec import load
 from specdec.api import batch_engine
 from specdec.certify import goodness_of_fit
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import Policy
 from specdec.prophets.model import ModelProphet
 from specdec.prophets.ngram import NgramProphet

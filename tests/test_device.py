@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec import load
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
 from specdec.prophets.model import ModelProphet
 from specdec.toy import MarkovLM

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import Policy
 from specdec.prophets.model import ModelProphet
 from specdec.sampling import InvalidLogitsError

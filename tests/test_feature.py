@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import load
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
 from specdec.prophets.feature import FeatureHead, FeatureProphet, load_head, save_head
 from specdec.prophets.ngram import NgramProphet

@@ -141,8 +141,8 @@ def test_the_cli_gives_one_text_per_seed_for_the_optimal_policy(tiny_pair, cache
 
 
 def test_help_states_the_one_rule_for_sampling_defaults(capsys):
+    from specdec.decoder import SpeculativeDecoder
     from specdec.defaults import MAX_NEW_TOKENS, SAMPLING_RULE, TEMPERATURE
-    from specdec.engine import SpeculativeDecoder
 
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

@@ -4,7 +4,7 @@ lowers the distillation loss from where plain early exit starts."""
 
 import torch
 
-from specdec.fastllama import FastLlamaLM
+from specdec.llama import FastLlamaLM
 from specdec.prophets.feature import FeatureHead
 from specdec.train.features import _loss, _unroll, early_features, load_shards, train_head
 from specdec.wiring import load_pretrained

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import layerloop, load, qgemm
-from specdec.fastllama import BatchLlama
+from specdec.llama import BatchLlama
 
 
 def _both(lm: BatchLlama, monkeypatch, call):

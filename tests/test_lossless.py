@@ -12,7 +12,7 @@ import torch
 
 import specdec.batch as batch_mod
 import specdec.ragged as ragged_mod
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
 from specdec.prophets.model import ModelProphet
 from specdec.sampling import sample

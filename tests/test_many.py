@@ -31,7 +31,7 @@ def test_generate_many_equals_one_at_a_time_greedy(tiny_pair, tiny_eagle, draft)
 def test_generate_many_with_stop_strings_runs_batched_and_stops_as_generate_does(tiny_pair, monkeypatch):
     """Stop strings are finished in one place (specdec.finish) for every path: the batched
     rows stop where `generate` stops, with the same tokens, text, finish reason and stats."""
-    from specdec.engine import SpeculativeDecoder
+    from specdec.decoder import SpeculativeDecoder
 
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"])
     prompts = ["def f(", "import ", "class A:", {"prompt": "x = [", "stop": ["]", ","]}]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specdec import load
 from specdec.check import certify
 from specdec.costmodel import expected_gain
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
 from specdec.prophets.model import ModelProphet
 from specdec.prophets.ngram import NgramProphet, lookup, lookup_reference

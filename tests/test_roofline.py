@@ -16,8 +16,8 @@ from specdec.bench.roofline import (
 
 
 def test_weight_bytes_counts_every_kind_of_weight():
-    from specdec.fastllama import Int8Weight
     from specdec.int4 import Int4Weight, quantize_q8_0
+    from specdec.llama import Int8Weight
 
     assert weight_bytes(torch.zeros(3, 5)) == 60 and weight_bytes(torch.zeros(4, dtype=torch.bfloat16)) == 8
     assert weight_bytes(torch.nn.Linear(4, 3, bias=False)) == 48

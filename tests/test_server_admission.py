@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from specdec.fastllama import BatchLlama, grown_capacity
+from specdec.llama import BatchLlama, grown_capacity
 from tests.server_fixtures import ServerProcess
 
 PROMPT_TOKENS, MAX_TOKENS, REQUESTS = 200, 8, 6

@@ -4,7 +4,7 @@ length ends inside its accepted run counts the tokens it kept, never those it th
 import pytest
 import torch
 
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.policy import Policy
 from specdec.prophets.model import ModelProphet
 from specdec.stats import summarize

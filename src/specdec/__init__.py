@@ -1,7 +1,7 @@
 """specdec: lossless speculative decoding for Hugging Face language models."""
 
 from specdec.api import load
-from specdec.engine import Generation, SpeculativeDecoder
+from specdec.decoder import Generation, SpeculativeDecoder
 from specdec.events import RoundEvent
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
 from specdec.sampling import SamplingParams

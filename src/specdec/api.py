@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from specdec.decoder import SpeculativeDecoder
 from specdec.defaults import (
     KV_DTYPES,
     MAX_BRANCHES,
@@ -23,9 +24,8 @@ from specdec.defaults import (
     default_prophet_for,
     default_target,
 )
-from specdec.engine import SpeculativeDecoder
-from specdec.fastllama import trim_heap
 from specdec.int4 import INT4, attach_int4
+from specdec.llama import trim_heap
 from specdec.policy import make_policy
 from specdec.wiring import (
     build_prophets,

@@ -7,7 +7,7 @@ Words, used one way throughout: a *round* is one request's draft -> verify -> co
 head, the target's early exit); a *draft* is what a prophet proposed; a *pass* is one forward
 of a model.
 
-- `BatchLlama` (`specdec.fastllama`): the one Llama path, with B cache slots. One forward
+- `BatchLlama` (`specdec.llama`): the one Llama path, with B cache slots. One forward
   scores a ragged batch (row b feeds n_b new tokens after start_b cached ones; rows are
   padded to the longest and masked). Keys and values are written by position, so entries
   of rejected drafts are simply overwritten by the next step: a row's cache length is its
@@ -42,8 +42,8 @@ from specdec.costmodel import (
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.events import RoundEvent, finish_reason
-from specdec.fastllama import BatchLlama, trim_heap
 from specdec.finish import Finish
+from specdec.llama import BatchLlama, trim_heap
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache

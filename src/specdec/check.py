@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.certify import TestResult, two_sample
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 
 
 @dataclass

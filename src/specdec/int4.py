@@ -572,8 +572,8 @@ def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.devi
     """Give a loaded float32 model its 4-bit products (read by the lean path, FastLlamaLM and
     BatchLlama alike): from the GGUF file's blocks when `name` is one ("smollm2" or a .gguf
     path), else quantized here. Clear errors where int4 cannot run."""
-    from specdec.fastllama import supports
     from specdec.gguf import is_alias, smollm2_gguf
+    from specdec.llama import supports
 
     if device is not None and device.type != "cpu":
         raise ValueError("dtype int4 runs on the CPU only (PyTorch's CPU int4 kernel): use --device cpu")

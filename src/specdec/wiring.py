@@ -62,8 +62,8 @@ def default_target_int4(name: str, model: Any, device: torch.device, backend: st
     file holds (float32 only de-quantizes them), several times faster per step (README,
     "4-bit target"); greedy speculative output stays equal to plain int4 decoding. Other
     models keep float32 weights."""
-    from specdec.fastllama import supports
     from specdec.gguf import is_alias
+    from specdec.llama import supports
 
     return (device.type == "cpu" and backend != "hf" and (is_alias(name) or name.lower().endswith(".gguf"))
             and supports(model) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
@@ -156,8 +156,8 @@ def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | Non
 
 def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto", kv_dtype: str | None = None) -> Any:
     """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's.
-    kv_dtype: the lean path's KV cache (`specdec.fastllama.kv_dtype_for`; transformers keeps its own)."""
-    from specdec.fastllama import FastLlamaLM, supports
+    kv_dtype: the lean path's KV cache (`specdec.llama.kv_dtype_for`; transformers keeps its own)."""
+    from specdec.llama import FastLlamaLM, supports
 
     if backend not in ("auto", "hf", "fast"):
         raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
@@ -297,7 +297,7 @@ def _layerskip(part: str, w: Wiring) -> Prophet:
 def _int8(part: str, w: Wiring) -> Prophet:
     """A compressed copy of a model (the target itself when it is named) with int8 weights
     and its own KV cache, drafting for the full-precision target."""
-    from specdec.fastllama import FastLlamaLM, supports
+    from specdec.llama import FastLlamaLM, supports
     from specdec.prophets.model import ModelProphet
 
     name = part[: -len(":int8")]
@@ -345,7 +345,7 @@ def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:
 def _eagle3(part: str, w: Wiring) -> Prophet:
     """An EAGLE-3-style prophet (models/smollm2-eagle3): one decoder layer over the target's
     fused features; it needs the lean Llama path (whose passes keep those features)."""
-    from specdec.fastllama import FastLlamaLM
+    from specdec.llama import FastLlamaLM
     from specdec.prophets.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
 
     net, vocab_ids, cfg = load_eagle3(Path(part))
@@ -439,7 +439,7 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine, BatchLlama
-    from specdec.fastllama import FastLlamaLM, supports
+    from specdec.llama import FastLlamaLM, supports
     from specdec.prophets.eagle3 import Eagle3Prophet
     from specdec.prophets.feature import FeatureProphet
     from specdec.prophets.layerskip import LayerSkipProphet

@@ -63,7 +63,7 @@ def kv_bytes(lw: Any, context: int) -> int:
 def target_step_bytes(target: Any, context: int = 0) -> int | None:
     """The bytes a plain step of the decoder's target reads (weights, plus its KV cache at
     `context`), or None where the target has no weights of its own to count."""
-    from specdec.fastllama import LlamaWeights
+    from specdec.llama import LlamaWeights
 
     rows = getattr(target, "rows", target)
     if isinstance(rows, LlamaWeights):

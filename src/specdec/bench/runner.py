@@ -19,7 +19,7 @@ import torch
 
 from specdec.costmodel import expected_tokens_per_round
 from specdec.data.prompts import BenchPrompt
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.lm import HFCausalLM, attention_backends
 
 

@@ -1,7 +1,7 @@
 // The layer loop of specdec's lean Llama path (BatchLlama.forward_fused for rows without token trees), in C++,
 // and the small kernels both loops share (RMSNorm, rotary positions, attention of one query).
 //
-// It computes what the Python loop in src/specdec/fastllama.py computes (`_attention`, `_mlp`, `_norm`,
+// It computes what the Python loop in src/specdec/llama.py computes (`_attention`, `_mlp`, `_norm`,
 // `exact_attention`, `Int4Weight.mm`), on the same shapes and in the same order: the same ATen operations where
 // it calls ATen, the same functions of this file where the Python loop calls them (specdec.layerloop), and
 // element for element the same arithmetic where it fuses ATen operations (the rotary positions); so its results
@@ -719,7 +719,7 @@ class Stack {
   }
 
   // `exact_attention`: the leading n - solo queries in causal blocks ending at `block_end`, then each of the last
-  // `solo` queries alone; a query alone attends through attend_one (as `fastllama.one_query` does).
+  // `solo` queries alone; a query alone attends through attend_one (as `llama.one_query` does).
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, int64_t solo, bool gqa) const {
     const int64_t n = q.size(2), lead = n - solo;

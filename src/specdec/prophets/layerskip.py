@@ -4,7 +4,7 @@ layers and its own final norm and head. No second model.
 The prophet shares the target's KV cache: layers 0..L-1 already hold the committed prefix,
 so drafting never re-reads the prompt. The target's `early_exit` writes the draft's entries
 past the committed tokens and `end_early_exit` drops them before the target verifies,
-which keeps the cache invariant (see lm.py and fastllama.py for the two cache kinds).
+which keeps the cache invariant (see lm.py and llama.py for the two cache kinds).
 """
 
 from __future__ import annotations

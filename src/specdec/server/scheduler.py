@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.batch import BatchEngine, BatchLlama
-from specdec.engine import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
 from specdec.finish import Finish

@@ -164,7 +164,7 @@ def train(data_dir: Path, out: Path, work: Path, minutes: float, steps: int = 4,
           log: Any = print) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from specdec.fastllama import LlamaWeights
+    from specdec.llama import LlamaWeights
     from specdec.wiring import load_pretrained
 
     torch.manual_seed(seed)
@@ -265,7 +265,7 @@ def compare(data_dir: Path, eagle3: Path, eagle: Path, steps: int = 4, max_len: 
     agreement (the prophet's argmax == the target's argmax over the full vocabulary) and the
     mean of sum_x min(p, q) at T=1 (the expected acceptance of a drafted token), for the
     eagle3 prophet and the residual-MLP eagle, on the same positions."""
-    from specdec.fastllama import LlamaWeights
+    from specdec.llama import LlamaWeights
     from specdec.prophets.eagle3 import load_eagle3
     from specdec.prophets.feature import load_head
     from specdec.wiring import load_pretrained

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from specdec.batch import BatchLlama
 from specdec.data.tasks import over_passage, passage_requests, task_prompts
-from specdec.fastllama import LlamaWeights
+from specdec.llama import LlamaWeights
 from specdec.prophets.eagle3 import fused_layers
 from specdec.train.selfdistill import answer_into_shards, chat_ids, save_atomic
 

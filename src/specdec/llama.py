@@ -453,7 +453,7 @@ def release_load_memory() -> None:
 
 
 class BatchLlama(LlamaWeights):
-    """A plain Llama model (see `specdec.fastllama.supports`) with one KV cache per slot.
+    """A plain Llama model (see `specdec.llama.supports`) with one KV cache per slot.
 
     Each slot's cache is its own buffer (L, Hkv, T_s, hd), grown by doubling as its request
     grows and freed when the request leaves (`free`): one long request costs the memory of

@@ -111,10 +111,10 @@ def test_a_coupled_row_gives_the_same_tokens_alone_and_in_a_batch(tiny_pair, tin
     prompts = [plain.prompt_ids(p) for p in ("def main():", "import os\n", "class A:", "x = [")]
     rows = [Request(p, 20, SamplingParams(1.0), 3, seed=10 + i, sampling="coupled" if i % 2 == 0 else "rejection")
             for i, p in enumerate(prompts)]
-    from specdec.request import _batch_free
+    from specdec.request import batch_free
 
     # a coupled row's tokens never depend on K: its K may follow the batch; a seeded rejection-sampled row's may not
-    assert [_batch_free(r) for r in rows] == [True, False, True, False]
+    assert [batch_free(r) for r in rows] == [True, False, True, False]
     engine.generate(rows)
     for i, r in enumerate(rows):
         if i % 2 == 0:

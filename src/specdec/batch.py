@@ -48,7 +48,7 @@ from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
-from specdec.request import TARGET, Request, StepEvent, _batch_free, _prefilled, _slot, keep_fused
+from specdec.request import TARGET, Request, StepEvent, batch_free, keep_fused, row_prefilled, row_slot
 from specdec.rowprophets import (
     TREE,
     BatchDraft,
@@ -59,10 +59,10 @@ from specdec.rowprophets import (
     ModelBatchProphet,
     RowsProphet,
     TreeBatchProphet,
-    _prefill,
-    _probs_by_params,
     in_row_order,
     padded_q,
+    prefill_rows,
+    probs_by_params,
 )
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
@@ -88,7 +88,7 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     def of_rest(x: torch.Tensor) -> torch.Tensor:  # the sampled rows' part (no copy where that is every row)
         return x if not greedy else x[rest]
 
-    target_probs = _probs_by_params(of_rest(logits), sub, who)  # checks their logits
+    target_probs = probs_by_params(of_rest(logits), sub, who)  # checks their logits
     for i, r in enumerate(sub):  # a coupled row: each position one-hot on its keyed draw
         if r.params.coupled is not None:
             target_probs[i] = couple(target_probs[i], r.params, r.length)
@@ -149,7 +149,7 @@ class BatchEngine:
         self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
         # Per prophet, the per-position acceptance of recent rounds of every row, decayed
         # (tested, accepted): what a step's common K and its choice to draft at all read for
-        # rows whose K may follow the batch (`_batch_free`), so that a batch of fresh requests
+        # rows whose K may follow the batch (`batch_free`), so that a batch of fresh requests
         # (each policy still near its prior) stops paying for drafts that do not pay.
         self._pooled: dict[str, list[float]] = {}
         self._costed_steps = 0  # steps that drafted by costs without a tree (POOL_PROBE counts them)
@@ -188,8 +188,8 @@ class BatchEngine:
         self._take_prefixes(active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
-            _prefill(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
-            active = [r for r in active if _prefilled(r, TARGET)]
+            prefill_rows(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
+            active = [r for r in active if row_prefilled(r, TARGET)]
         if not active:
             return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
@@ -225,12 +225,12 @@ class BatchEngine:
         if all(r.params.greedy and r.params.coupled is None for r in rows):  # the target's choices alone
             return greedy_verdicts(drafts, checked_argmax(logits[:, : k_max + 1], who).tolist())
         if len(rows) == 1 and rows[0].params.coupled is None:  # a row alone that samples: the specification itself
-            p = _probs_by_params(logits[:, : k_max + 1], rows, who)[0]  # checks the logits
+            p = probs_by_params(logits[:, : k_max + 1], rows, who)[0]  # checks the logits
             q = None if probs is None or k_max == 0 or (one_hot is not None and one_hot[0]) else probs[0, :k_max]
             draft = torch.tensor(drafts[0], dtype=torch.long, device=logits.device)
             return [verify_chain(draft, q, p, rows[0].generator)]
         if k_max == 0 and all(r.params.coupled is None for r in rows):  # sampled plain steps: the bonus token
-            p = _probs_by_params(logits[:, :1], rows, who)  # checks the logits
+            p = probs_by_params(logits[:, :1], rows, who)  # checks the logits
             return [Verdict(0, int(sample(p[b, 0], r.generator)), "bonus") for b, r in enumerate(rows)]
         tokens = torch.tensor([t + [-1] * (k_max - len(t)) for t in drafts], dtype=torch.long,
                               device=logits.device).reshape(len(rows), k_max)  # (B, K)
@@ -254,7 +254,7 @@ class BatchEngine:
         one, and the features the head read where a prophet reads them (else None). The
         rows' target caches then hold all of it (the commit cuts them back)."""
         feeds = [r.context_from(r.target_cached) + list(t) for r, t in zip(active, drafts, strict=True)]
-        args = ([_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
+        args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
         hidden = fused = None
         if self.fused_layers:
             # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
@@ -332,7 +332,7 @@ class BatchEngine:
                 p = logits_to_probs(logits[b, : n + 1], r.params, who=f"target '{self.target.name}'")
                 p = couple(p, r.params, at, [at] + [at + d for d in tree_depths(tree.parents)])  # nodes' positions
                 verdict = verify_tree(tree, p, r.generator)
-            self.target.keep_path(_slot(r), at, verdict.path)
+            self.target.keep_path(row_slot(r), at, verdict.path)
             path = [tree.tokens[node] for node in verdict.path]
             for name, chain in draft.chains[b].items():  # a draft model's cache: what agrees with the path
                 if name in r.draft_cached:
@@ -378,10 +378,10 @@ class BatchEngine:
             skip = self._not_paying(active, costs, self._costed_steps)
 
         def budget(r: Request, name: str | None = None) -> int:
-            return 0 if name in skip and _batch_free(r) else self._draft_budget(r, name)
+            return 0 if name in skip and batch_free(r) else self._draft_budget(r, name)
 
         if isinstance(self.prophet, FirstBatchProphet):
-            if all(p.name in skip for p in self.parts) and all(_batch_free(r) for r in active):
+            if all(p.name in skip for p in self.parts) and all(batch_free(r) for r in active):
                 return BatchDraft([[] for _ in active], None)  # no prophet pays: nothing asked
             ks = [self._draft_budget(r) for r in active]
             draft = self.prophet.propose(active, ks, budget=budget) if any(ks) else \
@@ -402,7 +402,7 @@ class BatchEngine:
         tokens do not depend on its K, and an unseeded row promises no particular tokens; a
         seeded sampled row's draws depend on its K, so it keeps the K its own policy chose from
         costs fixed for the request (`row_costs`), whatever shares the step."""
-        return [c if _batch_free(r) else k for r, k, c in zip(active, ks, cut, strict=True)]
+        return [c if batch_free(r) else k for r, k, c in zip(active, ks, cut, strict=True)]
 
     def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
                     text: str = "", finish_reason: str | None = None) -> RoundEvent:
@@ -621,7 +621,7 @@ class BatchEngine:
         if len(active) == 1 or step_index % POOL_PROBE == 0:
             return set()
         k_max = max(r.k for r in active)
-        free = [r for r in active if _batch_free(r)]
+        free = [r for r in active if batch_free(r)]
         out = set()
         for part in self.parts:
             a = self._pooled_rate(part.name)
@@ -654,7 +654,7 @@ class BatchEngine:
             rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
             self._admit(rows)
             try:
-                _prefill(self.target, rows, TARGET, None, self.fused_layers)
+                prefill_rows(self.target, rows, TARGET, None, self.fused_layers)
                 return self._measure(rows, k_max, repeats)
             finally:
                 for r in rows:
@@ -677,7 +677,7 @@ class BatchEngine:
         if bucket not in self._costs:
             self._costs[bucket] = self._bucket_costs(bucket, active, max(r.k for r in rows))
         for r in rows:  # each at its own context length (`Costs.at`) and temperature
-            if _batch_free(r):
+            if batch_free(r):
                 base = self._costs[bucket]
             else:  # a seeded sampled row's K must not depend on the batch: costs fixed for the request
                 if self.row_costs is None:
@@ -711,7 +711,7 @@ class BatchEngine:
         return greedy
 
     def _measure_at(self, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
-        slots, starts, n_rows = [_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
+        slots, starts, n_rows = [row_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
         width = len(self.parts) if isinstance(self.prophet, TreeBatchProphet) else 1
         room = min(self.target.max_length - s for s in starts)
         sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]

@@ -110,7 +110,7 @@ class StepEvent:
 
 
 
-def _batch_free(req: Request) -> bool:
+def batch_free(req: Request) -> bool:
     """Whether a row's K may follow the batch it shares steps with (costs at that batch size,
     the step's common K): greedy rows and coupled ones (`sampling="coupled"`: their tokens
     never depend on K) and unseeded sampled rows. A seeded sampled row's K comes from costs
@@ -120,12 +120,12 @@ def _batch_free(req: Request) -> bool:
     return req.params.greedy or req.seed is None or req.params.coupled is not None
 
 
-def _keep_drafting(reqs: Sequence[Request]) -> list[KeepDrafting | None]:
+def keep_drafting_rows(reqs: Sequence[Request]) -> list[KeepDrafting | None]:
     """Each row's early stop (its policy's `keep_drafting`: the confidence policy's), or None."""
     return [r.policy.keep_drafting() if r.policy is not None else None for r in reqs]
 
 
-def _slot(req: Request) -> int:
+def row_slot(req: Request) -> int:
     assert req.slot is not None, "a running request holds a cache slot"
     return req.slot
 
@@ -133,12 +133,12 @@ def _slot(req: Request) -> int:
 TARGET = ""  # the target's cache, among a row's caches (the others: draft models, by name)
 
 
-def _cached(req: Request, cache: str) -> int:
+def row_cached(req: Request, cache: str) -> int:
     """Leading context tokens of a row in one of its caches (TARGET, or a draft model's name)."""
     return req.target_cached if cache == TARGET else req.draft_cached.get(cache, 0)
 
 
-def _set_cached(req: Request, cache: str, n: int) -> None:
+def set_row_cached(req: Request, cache: str, n: int) -> None:
     if cache == TARGET:
         req.target_cached = n
     else:
@@ -155,8 +155,8 @@ def keep_fused(req: Request, start: int, rows: torch.Tensor) -> None:
     req.fused.append(rows.to(torch.bfloat16))
 
 
-def _prefilled(req: Request, cache: str) -> bool:
-    return _cached(req, cache) >= len(req.prompt) - 1
+def row_prefilled(req: Request, cache: str) -> bool:
+    return row_cached(req, cache) >= len(req.prompt) - 1
 
 
 

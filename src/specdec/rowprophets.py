@@ -27,7 +27,7 @@ from specdec.prophets.eagle3 import Eagle3Runtime
 from specdec.prophets.feature import FeatureProphet, full_vocab_logits
 from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
 from specdec.prophets.ngram import NgramIndex, NgramProphet
-from specdec.request import Request, _batch_free, _cached, _keep_drafting, _set_cached, _slot, keep_fused
+from specdec.request import Request, batch_free, keep_drafting_rows, keep_fused, row_cached, row_slot, set_row_cached
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, check_logits, draw, logits_to_probs
 from specdec.verify import DraftTree
@@ -61,11 +61,11 @@ class ModelBatchProphet:
         return self.lm.max_length - req.length + 1  # it scores positions up to len + k - 2
 
     def prefill(self, reqs: Sequence[Request]) -> None:
-        _prefill(self.lm, reqs, self.name)
+        prefill_rows(self.lm, reqs, self.name)
 
     def _cached(self, req: Request) -> int:
         """Positions of the row's context already in the prophet's cache (drafting starts there)."""
-        return _cached(req, self.name)
+        return row_cached(req, self.name)
 
     def _fed(self, req: Request, n: int) -> None:
         req.draft_cached[self.name] = self._cached(req) + n  # its own cache keeps what it read
@@ -79,15 +79,15 @@ class ModelBatchProphet:
         probs = torch.zeros(len(reqs), max(ks), self.lm.vocab_size, device=self.lm.device)  # (B, K, V)
         at = {b: self._cached(reqs[b]) for b, k in enumerate(ks) if k > 0}
         feeds = {b: reqs[b].context[at[b]:] for b in at}
-        keep = _keep_drafting(reqs)
+        keep = keep_drafting_rows(reqs)
         ks = list(ks)
         for j in range(max(ks)):
             live = [b for b in feeds if ks[b] > j]
             if not live:
                 break
-            logits = self._logits([_slot(reqs[b]) for b in live], [at[b] for b in live],
+            logits = self._logits([row_slot(reqs[b]) for b in live], [at[b] for b in live],
                                   [feeds[b] for b in live])  # (B_live, V)
-            q = _probs_by_params(logits[:, None], [reqs[b] for b in live], f"prophet '{self.name}'")[:, 0]
+            q = probs_by_params(logits[:, None], [reqs[b] for b in live], f"prophet '{self.name}'")[:, 0]
             probs[live, j] = q
             greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
             for i, b in enumerate(live):
@@ -182,9 +182,9 @@ class RowsProphet(LookupBatchProphet):
         for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
             if not k:
                 continue
-            view = self.views[_slot(r)]
+            view = self.views[row_slot(r)]
             if view is None:
-                view = self.views[_slot(r)] = self.prophet.for_request(self.target)
+                view = self.views[row_slot(r)] = self.prophet.for_request(self.target)
                 view.reset()
             view.committed(r.context)
             if self.reads_features and r.feature is not None:
@@ -262,7 +262,7 @@ class FeatureBatchProphet:
         if not rows:
             return BatchDraft(tokens, None)
         k_rows = [p.max_k(ks[b]) for b in rows]
-        keep = _keep_drafting(reqs)
+        keep = keep_drafting_rows(reqs)
         who = f"prophet '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.vocab_size, device=p.embed.device) if sampled else None
@@ -270,14 +270,14 @@ class FeatureBatchProphet:
         h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
         # a seeded sampled row's draws must not depend on the rows beside it: where the products are not
         # rows-invariant (torch's kernels change with the row count), such a row's guesses are computed alone
-        alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not _batch_free(reqs[b])]
+        alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not batch_free(reqs[b])]
         for j in range(1, max(k_rows) + 1):
             h, sub = _guess(p, h, h0, last, j, alone)  # sub (B', N): logits over the draft vocabulary (q 0 elsewhere)
             check_logits(sub, who)
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # as FeatureProphet.propose picks greedily
             drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
             if drawing:  # generator's draws never depend on how long the rows beside it draft
-                q = _probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
+                q = probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
                 for n, i in enumerate(drawing):
                     req = reqs[rows[i]]
                     picked[i] = draw(q[n], req.params, req.generator, req.length + j - 1, p.vocab_ids,
@@ -320,7 +320,7 @@ class FeatureBatchProphet:
             h = torch.stack([f[2] for f in frontier])
             last = torch.tensor([f[3] for f in frontier], device=h.device)
             # a seeded sampled row's nodes each computed alone where products are not rows-invariant
-            alone = [] if p.rows_invariant else [i for i, f in enumerate(frontier) if not _batch_free(reqs[f[0]])]
+            alone = [] if p.rows_invariant else [i for i, f in enumerate(frontier) if not batch_free(reqs[f[0]])]
             g, sub = _guess(p, h, h, last, depth, alone)
             check_logits(sub, who)
             grown: list[Node] = []
@@ -356,7 +356,7 @@ class FeatureBatchProphet:
         mine = sorted((i for i, f in enumerate(frontier) if f[0] == b), key=lambda i: -frontier[i][4])
         deterministic = req.params.greedy or req.params.coupled is not None
         q_all = torch.softmax(sub[mine].float(), -1) if req.params.greedy else \
-            _probs_by_params(sub[mine][:, None], [req] * len(mine), f"prophet '{self.name}'")[:, 0]
+            probs_by_params(sub[mine][:, None], [req] * len(mine), f"prophet '{self.name}'")[:, 0]
         new: list[Node] = []
         first_here = True
         if deterministic:  # every node's top tokens, likeliest first across the depth
@@ -466,14 +466,14 @@ class Eagle3BatchProphet:
         ready: list[int] = []
         slots, starts, feats, toks = [], [], [], []
         for b, r in enumerate(reqs):
-            have = _cached(r, self.name)
+            have = row_cached(r, self.name)
             if not r.fused or r.fused_from != have:
                 continue  # no fresh slot to start from (it just joined, or was cut): no draft this step
             pending = torch.cat(r.fused)
             if have + len(pending) != r.length - 1:
                 continue
             ready.append(b)
-            slots.append(_slot(r))
+            slots.append(row_slot(r))
             starts.append(have)
             feats.append(pending)
             toks.append(r.context[have + 1 : have + 1 + len(pending)])
@@ -482,7 +482,7 @@ class Eagle3BatchProphet:
         g = self.runtime.run(slots, starts, feats, toks, [True] * len(ready))
         for b in ready:
             r = reqs[b]
-            _set_cached(r, self.name, r.length - 1)
+            set_row_cached(r, self.name, r.length - 1)
             r.fused, r.fused_from = [], r.length - 1
         return ready, g
 
@@ -492,12 +492,12 @@ class Eagle3BatchProphet:
         timed round catches up on as many slots as a real one does)."""
         for r in reqs:
             pending = torch.cat(r.fused) if r.fused else None
-            have = _cached(r, self.name)
+            have = row_cached(r, self.name)
             if pending is None or r.fused_from != have or len(pending) <= leave:
                 continue
             m = len(pending) - leave
-            self.runtime.run([_slot(r)], [have], [pending[:m]], [r.context[have + 1 : have + 1 + m]], [True])
-            _set_cached(r, self.name, have + m)
+            self.runtime.run([row_slot(r)], [have], [pending[:m]], [r.context[have + 1 : have + 1 + m]], [True])
+            set_row_cached(r, self.name, have + m)
             r.fused, r.fused_from = [pending[m:]], have + m
 
     @torch.inference_mode()
@@ -512,14 +512,14 @@ class Eagle3BatchProphet:
         if g is None:
             return BatchDraft(tokens, None)
         k_rows = [ks[b] for b in rows]
-        keep = _keep_drafting(reqs)
+        keep = keep_drafting_rows(reqs)
         who = f"prophet '{self.name}'"
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=g.device) if sampled else None
         for j in range(1, max(k_rows) + 1):
             live = [i for i in range(len(rows)) if k_rows[i] >= j]
             if j > 1:  # slot N-2+j-1 of each row still drafting: (its last output, its last draft)
-                g_live = rt.run([_slot(reqs[rows[i]]) for i in live],
+                g_live = rt.run([row_slot(reqs[rows[i]]) for i in live],
                                 [reqs[rows[i]].length - 2 + j - 1 for i in live],
                                 [g[i][None] for i in live], [[tokens[rows[i]][-1]] for i in live],
                                 [False] * len(live))
@@ -530,7 +530,7 @@ class Eagle3BatchProphet:
             picked = rt.vocab_ids[sub.argmax(-1)].tolist()
             drawing = [n for n, i in enumerate(live) if i in sampled]
             if drawing:
-                q = _probs_by_params(sub[drawing][:, None], [reqs[rows[live[n]]] for n in drawing], who)[:, 0]
+                q = probs_by_params(sub[drawing][:, None], [reqs[rows[live[n]]] for n in drawing], who)[:, 0]
                 for m, n in enumerate(drawing):
                     req = reqs[rows[live[n]]]
                     picked[n] = draw(q[m], req.params, req.generator, req.length + j - 1, rt.vocab_ids,
@@ -689,7 +689,7 @@ BatchProphet = ModelBatchProphet | LookupBatchProphet | FeatureBatchProphet | Ea
 TREE = "*"  # what a row's policy keeps evidence for in a tree step: every prophet at once
 
 
-def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None,
+def prefill_rows(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None,
              capture: tuple[int, ...] = ()) -> None:
     """Feed rows' prompts but their last token (later steps then feed few tokens per row):
     with a budget, one chunk per row, from where the row is (its length in `cache`) to
@@ -699,7 +699,7 @@ def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | Non
     feeds: list[tuple[Request, int, int]] = []
     used = 0
     for r in reqs:
-        done, end = _cached(r, cache), len(r.prompt) - 1
+        done, end = row_cached(r, cache), len(r.prompt) - 1
         if done >= end:
             continue
         stop = end if budget is None else min(end, (done // budget + 1) * budget)
@@ -707,7 +707,7 @@ def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | Non
             break
         feeds.append((r, done, stop))
         used += stop - done
-    args = ([_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
+    args = ([row_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
             [0] * len(feeds))
     if feeds and capture:
         fused = lm.forward_fused(*args, capture=capture)[2]  # type: ignore[attr-defined]
@@ -716,12 +716,12 @@ def _prefill(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | Non
     elif feeds:
         lm.forward(*args)
     for r, _, b in feeds:
-        _set_cached(r, cache, b)
+        set_row_cached(r, cache, b)
 
 
 
 
-def _probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
+def probs_by_params(logits: torch.Tensor, reqs: Sequence[Request], who: str) -> torch.Tensor:
     """logits (B, n, V) -> each row's sampling distribution (B, n, V), one call per distinct setting."""
     groups: dict[SamplingParams, list[int]] = {}
     for b, r in enumerate(reqs):

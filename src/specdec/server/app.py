@@ -41,7 +41,7 @@ from specdec.server.errors import ApiError, install_handlers
 from specdec.server.metrics import ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, BodyLimit
 from specdec.server.scheduler import End, Job, JobStream, NeverFits, QueueFull, Round, Scheduler, ShuttingDown
-from specdec.server.schemas import ChatRequest, CompletionRequest, SpecdecOptions, _Sampling
+from specdec.server.schemas import ChatRequest, CompletionRequest, SamplingFields, SpecdecOptions
 from specdec.stats import summarize
 
 log = logging.getLogger("specdec.server")
@@ -108,7 +108,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                             "chat": bool(getattr(decoder.tokenizer, "chat_template", None))}}
 
     # ----------------------------------------------------------------- validation
-    def settings(body: _Sampling, max_tokens: int | None, prompt_len: int, endpoint: str) -> Job:
+    def settings(body: SamplingFields, max_tokens: int | None, prompt_len: int, endpoint: str) -> Job:
         opts = body.specdec or SpecdecOptions()
         if opts.draft_tokens is not None and opts.draft_tokens > config.max_draft_tokens:
             raise ApiError(400, f"specdec.draft_tokens may be at most {config.max_draft_tokens} on this server",
@@ -141,7 +141,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                    timeout_s=config.timeout_s,
                    endpoint=endpoint)
 
-    def check_common(body: _Sampling) -> None:
+    def check_common(body: SamplingFields) -> None:
         if body.model is not None and body.model != model_name:
             raise ApiError(400, f"the model '{body.model[:100]}' is not served here; this server serves "
                                 f"'{model_name}' (see /v1/models)", "model", "model_not_found")

@@ -116,7 +116,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
@@ -172,7 +172,7 @@ class _Sampling(BaseModel):
         return None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(default=None, ge=1)  # None: specdec.defaults.MAX_NEW_TOKENS
     echo: bool = False
@@ -224,7 +224,7 @@ class ChatMessage(BaseModel):
         return None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

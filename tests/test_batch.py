@@ -932,15 +932,15 @@ def test_a_prophets_measured_drafting_is_at_least_its_drafting_timed_alone(tiny_
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=2, draft_dtype=torch.float32)
     name = engine.parts[0].name
 
-    def made_up(fns, repeats, after=lambda: None):  # pass n: 10 ms; a round: its pass' time; alone: 2 ms a token
-        out = {}
+    def made_up(fns, repeats, after=lambda: None, budget_s=None):  # pass n: 10 ms; a round: its pass' time;
+        out = {}                                                     # alone: 2 ms a token
         for key in fns:
             fns[key]()
             after()
-            out[key] = 0.010 if not isinstance(key, tuple) or len(key) == 2 else 0.002 * key[1]
+            out[key] = [0.010 if not isinstance(key, tuple) or len(key) == 2 else 0.002 * key[1]]
         return out
 
-    monkeypatch.setattr(batch_module, "interleaved_minimums", made_up)
+    monkeypatch.setattr(batch_module, "interleaved_times", made_up)
     costs = engine.measure(2, 3, [5, 6, 7, 8])
     assert costs.t_draft_by[name] == pytest.approx(0.002 / 2) and costs.t_call_by[name] == pytest.approx(0.0)
     assert costs.sampled is not None and costs.sampled.t_draft_by[name] == pytest.approx(0.002 / 2)

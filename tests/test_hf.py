@@ -167,10 +167,17 @@ def test_prompt_past_the_context_is_a_clear_error(tiny_pair):
         dec.generate(list(range(1, 300)), max_new_tokens=5)
 
 
-def test_generation_stops_at_the_context_limit(tiny_pair):
+def test_the_prompt_and_max_new_tokens_together_must_fit_the_context(tiny_pair):
+    """As OpenAI and vLLM count it: 249 prompt tokens and 50 new ones do not fit 256 (a clear error
+    naming the room); with no max_new_tokens the answer may fill the room the prompt leaves."""
     dec = load(tiny_pair["target"], draft=tiny_pair["close"], draft_tokens=5)
-    out = dec.generate(list(range(1, 250)), max_new_tokens=50, temperature=0)
-    assert out.finish_reason == "context" and len(out.prompt_ids) + len(out.token_ids) == 256
+    with pytest.raises(ContextLengthError, match="249 tokens and max_new_tokens 50: 299 in all.*at most 7 new"):
+        dec.generate(list(range(1, 250)), max_new_tokens=50, temperature=0)
+    with pytest.raises(ContextLengthError):
+        dec.generate_many([{"prompt": list(range(1, 250)), "max_new_tokens": 8}])
+    out = dec.generate(list(range(1, 250)), temperature=0)
+    assert len(out.prompt_ids) + len(out.token_ids) <= 256 and len(out.token_ids) == 7 or out.finish_reason == "eos"
+    assert len(dec.generate(list(range(1, 249)), max_new_tokens=8, temperature=0).token_ids) <= 8  # 256: fits
 
 
 @pytest.mark.parametrize("spec,multi", [("layerskip:1", "auto"), ("{close}+ngram", "tree"), ("ngram+{eagle}", "first")])

@@ -154,7 +154,7 @@ def test_the_extensions_scan_and_numpys_draw_the_same_id(size, monkeypatch):
     state = g.get_state()
     with_ext = [int(sampling.sample(row, g)) for _ in range(20)]
     g.set_state(state)
-    monkeypatch.setattr(qgemm, "_module", None)  # as in a process that never loaded it
+    monkeypatch.setattr(sampling, "_kernels", None)  # as in a process that never loaded the kernels
     assert [int(sampling.sample(row, g)) for _ in range(20)] == with_ext
 
 

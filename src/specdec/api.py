@@ -25,7 +25,7 @@ from specdec.defaults import (
     default_target,
 )
 from specdec.int4 import INT4, attach_int4
-from specdec.llama import trim_heap
+from specdec.llama import supports, trim_heap
 from specdec.policy import make_policy
 from specdec.wiring import (
     build_prophets,
@@ -114,7 +114,7 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     if weights is None:
         int4 = default_target_int4(target_name, model, where, backend)
     if int4:
-        attach_int4(model, target_name, backend, where)
+        attach_int4(model, target_name, backend, where, lean=supports(model))
     vocab = shared_vocab_size(model, tokenizer, None, None, target_name, None)
     target_lm = wrap(model, target_name, vocab, backend, kv_dtype)
     prophets = build_prophets(draft or "none", target_lm, tokenizer, dtype=draft_dtype,

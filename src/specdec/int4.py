@@ -568,18 +568,20 @@ def from_float(model: Any) -> Int4Source:
     return Int4Source(layers, head, "quantized", {"Q4_1 (quantized here)": len(layers), "Q8_0 head": 1})
 
 
-def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.device | None = None) -> Int4Source:
+def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.device | None = None,
+                lean: bool = True) -> Int4Source:
     """Give a loaded float32 model its 4-bit products (read by the lean path, FastLlamaLM and
     BatchLlama alike): from the GGUF file's blocks when `name` is one ("smollm2" or a .gguf
-    path), else quantized here. Clear errors where int4 cannot run."""
-    from specdec.gguf import is_alias, smollm2_gguf
-    from specdec.llama import supports
+    path), else quantized here. lean: whether a model family file runs `model` on the lean path
+    (`specdec.llama.supports`). Clear errors where int4 cannot run."""
+    from specdec.defaults import is_alias
+    from specdec.gguf import smollm2_gguf
 
     if device is not None and device.type != "cpu":
         raise ValueError("dtype int4 runs on the CPU only (PyTorch's CPU int4 kernel): use --device cpu")
     if backend == "hf":
         raise ValueError("dtype int4 runs on specdec's lean path only: leave --backend at auto or fast")
-    if not supports(model):
+    if not lean:
         raise ValueError(f"dtype int4 needs a plain Llama model (the lean path); '{name}' is not one")
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError(f"dtype int4 needs PyTorch's CPU int4 kernel (PyTorch >= 2.6), this is {torch.__version__}")

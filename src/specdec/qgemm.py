@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from specdec import sampling
 from specdec.defaults import cache_dir
 
 QK = 32  # weights a block
@@ -153,6 +154,7 @@ def _load() -> ModuleType | None:
         if _module is None and _error is None:
             try:
                 _module = _build()
+                sampling.use_kernels(_module)
             except Exception as e:  # a failed build: unavailable, never an error at import or in callers
                 _error = f"{type(e).__name__}: {e}".strip()
     return _module

@@ -19,11 +19,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from specdec import qgemm
+_kernels: ModuleType | None = None  # specdec's compiled kernels (`specdec.qgemm`), where loaded
+
+
+def use_kernels(module: ModuleType | None) -> None:
+    """Run `sample`'s scan in these compiled kernels (`kernels/lookup.cpp`; the kernel module calls
+    this when it loads them); None: in torch and NumPy (the same operations in the same order)."""
+    global _kernels
+    _kernels = module
+
 
 # Called after each drafted token with that step's q (V,): returning False stops drafting
 # early (the confidence policy).
@@ -166,7 +175,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
         rows = (rows if rows.dtype == torch.float64 else rows.float()).cpu()
     rows = rows.contiguous()
     n_rows = rows.shape[0]
-    ext = qgemm.loaded()  # never built here: a model's loading builds it
+    ext = _kernels  # specdec's compiled kernels once a model's loading built them (`use_kernels`)
     totals, single = ext.sample_totals(rows) if ext is not None else _sample_totals(rows)
     one = single.tolist()
     if n_rows == 1 and one[0] >= 0:  # one possible token: no draw

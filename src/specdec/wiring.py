@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specdec.coststore import BATCH_BUDGET_S
 from specdec.errors import ModelLoadError, VocabularyMismatchError
 from specdec.lm import HFCausalLM
 from specdec.prophets.base import Prophet
@@ -62,7 +63,7 @@ def default_target_int4(name: str, model: Any, device: torch.device, backend: st
     file holds (float32 only de-quantizes them), several times faster per step (README,
     "4-bit target"); greedy speculative output stays equal to plain int4 decoding. Other
     models keep float32 weights."""
-    from specdec.gguf import is_alias
+    from specdec.defaults import is_alias
     from specdec.llama import supports
 
     return (device.type == "cpu" and backend != "hf" and (is_alias(name) or name.lower().endswith(".gguf"))
@@ -425,15 +426,16 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
         cache[slots] = _new_engine(decoder, slots)
     engine = cache[slots]
     mb = getattr(decoder, "prefix_cache_mb", 0.0)
-    if getattr(engine, "_prefix_mb", 0.0) != mb:  # the decoder's prompt prefix cache, one for its engines
+    if engine.prefix_mb != mb:  # the decoder's prompt prefix cache, one for its engines
         decoder.__dict__["_prefix_cache"] = engine.enable_prefix_cache(int(mb * (1 << 20)),
                                                                        decoder.__dict__.get("_prefix_cache"))
-        engine._prefix_mb = mb
+        engine.prefix_mb = mb
     if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine
         engine.row_costs = decoder.decision_costs()
         engine.cost_store = decoder.stored_batch_costs
+        engine.measure_budget_s = BATCH_BUDGET_S
     return engine
 
 

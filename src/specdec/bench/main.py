@@ -27,9 +27,8 @@ from specdec.bench.runner import Config, Run, Runner, hf_generate_fn, interleave
 from specdec.costmodel import OtherLoad
 from specdec.data.chat import CHAT_CATEGORIES, chat_prompts
 from specdec.data.prompts import CATEGORIES, BenchPrompt, build_suite
-from specdec.defaults import cpu_model, default_prophet_for, default_target, display_name
+from specdec.defaults import cpu_model, default_prophet_for, default_target, display_name, is_alias
 from specdec.errors import SpecdecError
-from specdec.gguf import is_alias
 from specdec.prophets.model import ModelProphet
 
 K = 4  # the default draft length of the benchmark's fixed-K configurations

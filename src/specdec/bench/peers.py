@@ -49,8 +49,8 @@ REQUIRES = {"llama.cpp": _require_llama_cpp}
 
 def peer_model_path(target: str) -> Path:
     """The GGUF file that specdec loads for `target`: llama.cpp's model."""
-    from specdec.defaults import display_name
-    from specdec.gguf import is_alias, smollm2_gguf
+    from specdec.defaults import display_name, is_alias
+    from specdec.gguf import smollm2_gguf
 
     if is_alias(target):
         return smollm2_gguf()

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P, display_name
+from specdec.errors import ContextLengthError, SpecdecError
 from specdec.llama import release_load_memory
 from specdec.openmp import release_pool
 from specdec.policy import POLICIES
@@ -126,7 +127,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                                 f"{policy})", "specdec.policy")
         room = decoder.target.max_length - prompt_len
         if max_tokens is None:  # the one rule for defaults (specdec.defaults), within the context
-            max_tokens = min(MAX_NEW_TOKENS, config.max_tokens, room)
+            max_tokens = max(1, min(MAX_NEW_TOKENS, config.max_tokens, room))
         if max_tokens > config.max_tokens:
             raise ApiError(400, f"max_tokens may be at most {config.max_tokens} on this server", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -150,12 +151,14 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         if body.stop and decoder.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer", "stop")
 
-    def check_context(ids: list[int], param: str) -> None:
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param)
-        if len(ids) >= decoder.target.max_length:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
-                                f"{decoder.target.max_length} tokens: shorten it", param, "context_length_exceeded")
+    def admit(job: Job, param: str) -> None:
+        """The job's request made by the decoder's front door (the checks every path gets)."""
+        try:
+            scheduler.admit(job)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded") from None
+        except (SpecdecError, ValueError) as e:
+            raise ApiError(400, str(e), param) from None
 
     def check_memory(job: Job) -> None:
         try:
@@ -239,9 +242,11 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_common(body)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
-        check_context(ids, "prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
         job = settings(body, body.max_tokens, len(ids), "completions")
         job.ids = ids
+        admit(job, "prompt" if body.max_tokens is None else "max_tokens")
         check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return await run(request, job, False, usage, body.stream)
@@ -250,9 +255,11 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_common(body)
         ids = await run_in_threadpool(encode_chat, body)
-        check_context(ids, "messages")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "messages")
         job = settings(body, body.max_completion_tokens or body.max_tokens, len(ids), "chat")
         job.ids = ids
+        admit(job, "messages" if (body.max_completion_tokens or body.max_tokens) is None else "max_tokens")
         check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return await run(request, job, True, usage, body.stream)

@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 
 from specdec.batch import BatchEngine, BatchLlama
 from specdec.decoder import SpeculativeDecoder
+from specdec.driver import Row, step_rows
 from specdec.errors import SpecdecError
 from specdec.events import RoundEvent
 from specdec.finish import Finish
-from specdec.policy import make_policy
-from specdec.request import Request, StepEvent
-from specdec.sampling import SamplingParams
+from specdec.request import Request
 from specdec.server.metrics import ServerMetrics
 from specdec.wiring import engine_for
 
@@ -72,6 +71,8 @@ class Job:
     timeout_s: float | None = None
     endpoint: str = "completions"
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    request: Request | None = None  # made from the fields above by the front door (`Scheduler.admit`)
+    finish: Finish | None = None
 
 
 @dataclass
@@ -127,16 +128,18 @@ class JobStream:
 
 
 @dataclass(eq=False)
-class _Row:
-    """A request running on the batched engine, with what its stream has been sent."""
+class ServedRow:
+    """A request running on the batched engine (its driver row: request, finishing, rounds),
+    with its stream and what it has been sent."""
 
     stream: JobStream
-    request: Request
-    t0: float  # perf_counter when it joined: event times are relative to it
-    finish: Finish  # its stop strings and the text its stream has been sent (specdec.finish)
-    rounds: int = 0
+    row: Row
     tokens: int = 0
     kv_bytes: int = 0  # the cache memory reserved for it (see Scheduler.kv_need)
+
+    @property
+    def request(self) -> Request:
+        return self.row.request
 
 
 class NeverFits(ValueError):
@@ -173,7 +176,7 @@ class Scheduler:
         self._kv_reserved = 0
         self.mode = "batched"  # /v1/models says so: continuous batching, one round loop
         self._pending: deque[JobStream] = deque()
-        self._rows: list[_Row] = []
+        self._rows: list[ServedRow] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -306,24 +309,28 @@ class Scheduler:
             if self._rows and self._kv_reserved + need > self.kv_memory:
                 break  # it waits (first come, first served) until running rows free enough memory
             stream = self._pending.popleft()
-            job = stream.job
-            k = 0 if job.plain or self.engine.prophet is None else \
-                (job.draft_tokens or self.decoder.policy.k0)
             try:
-                req = Request(job.ids, job.max_tokens, SamplingParams(job.temperature, job.top_k, job.top_p), k,
-                              job.seed, make_policy(job.policy or self.decoder.policy.name, k) if k else None,
-                              frozenset(job.prophets) if job.prophets is not None else None,
-                              sampling=job.sampling)
+                req, finish = self.admit(stream.job)
             except (SpecdecError, ValueError) as e:
                 self._end(stream, End("error", str(e), 400))
                 continue
             stream.started = time.monotonic()
             self.metrics.queue_wait.observe(stream.started - stream.arrived)
-            self._rows.append(_Row(stream, req, time.perf_counter(), Finish(self.decoder.tokenizer, job.stop or ()),
-                                   kv_bytes=need))
+            self._rows.append(ServedRow(stream, Row(req, finish), kv_bytes=need))
             self._kv_reserved += need
         self.metrics.queue_depth.set(len(self._pending))
         self.metrics.batch_size.set(len(self._rows))
+
+    def admit(self, job: Job) -> tuple[Request, Finish]:
+        """The job's request, made by the decoder's front door (`SpeculativeDecoder.request`:
+        the checks and the K policy every path gets). A server asks this as it takes a job, so
+        bad settings are a 400 before the job is queued."""
+        if job.request is None:
+            job.request, job.finish = self.decoder.request(
+                job.ids, job.max_tokens, job.temperature, job.top_k, job.top_p, job.seed, job.draft_tokens, job.stop,
+                None, job.prophets, job.policy, job.sampling, plain=job.plain or self.engine.prophet is None)
+        assert job.finish is not None
+        return job.request, job.finish
 
     def _step(self, engine: BatchEngine) -> None:
         """Drop cancelled and expired rows, then one engine step for all the others."""
@@ -339,7 +346,7 @@ class Scheduler:
         if not rows:
             return
         try:
-            events = engine.step([r.request for r in rows])
+            done = step_rows(engine, [r.row for r in rows])
         except Exception as e:  # the whole step failed: every row in it ends, slots freed
             bad_input = isinstance(e, SpecdecError | ValueError)
             if not bad_input:
@@ -350,31 +357,27 @@ class Scheduler:
             return
         self.metrics.step_rows.observe(len(rows))
         self.metrics.prefix(engine.prefix_cache)
-        by_request = {id(r.request): r for r in rows}
-        for event in events:
-            self._post_step(engine, by_request[id(event.request)], event)
+        served = {id(r.row): r for r in rows}
+        for stepped, event in done:
+            self._post_step(engine, served[id(stepped)], event)
 
-    def _post_step(self, engine: BatchEngine, row: _Row, e: StepEvent) -> None:
+    def _post_step(self, engine: BatchEngine, row: ServedRow, event: RoundEvent | None) -> None:
         req, stream = row.request, row.stream
         stream.cached_tokens = req.prefix_hit
-        if req.error is not None:  # the engine refused this row alone; the others went on
-            self._finish_row(engine, row, End("error", req.error, 400))
+        if event is None:  # the engine refused this row alone; the others went on
+            self._finish_row(engine, row, End("error", req.error or "refused", 400))
             return
-        committed = engine.finish_step(e, row.finish)
         finish = req.finish_reason
-        delta = row.finish.release(req.generated, finish is not None)
-        event = engine.round_event(e, row.rounds, row.t0, committed, delta, finish)
-        row.rounds += 1
-        row.tokens += len(committed)
+        row.tokens += len(event.committed)
         self.metrics.round(event)
-        if stream.first_token is None and committed:
+        if stream.first_token is None and event.committed:
             stream.first_token = time.monotonic()
             self.metrics.ttft.observe(stream.first_token - stream.arrived)
         stream.post(self._round_item(stream.job, event))
         if finish is not None:
             self._finish_row(engine, row, End("done"))
 
-    def _finish_row(self, engine: BatchEngine, row: _Row, end: End) -> None:
+    def _finish_row(self, engine: BatchEngine, row: ServedRow, end: End) -> None:
         engine.release(row.request)
         with self._cond:
             self._rows.remove(row)

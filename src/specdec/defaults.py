@@ -127,7 +127,7 @@ def default_prophet_for(target: str) -> str:
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
-    1.11x, see the README); none (plain decoding) for anything else."""
+    1.11x, see CHANGELOG.md, 2026-11-30); none (plain decoding) for anything else."""
     if _is_bundled(target):
         return bundled_prophet()
     if is_alias(target):

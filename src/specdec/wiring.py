@@ -60,8 +60,8 @@ def default_target_int4(name: str, model: Any, device: torch.device, backend: st
     """Whether a target loaded with no dtype asked for runs its 4-bit weights (int4) rather
     than float32: yes where the target is a GGUF file (smollm2's, or a .gguf path) on the CPU's
     lean path with PyTorch's int4 kernel. The 4-bit kernel multiplies the very weights the
-    file holds (float32 only de-quantizes them), several times faster per step (README,
-    "4-bit target"); greedy speculative output stays equal to plain int4 decoding. Other
+    file holds (float32 only de-quantizes them), several times faster per step (CHANGELOG.md,
+    2026-12-01); greedy speculative output stays equal to plain int4 decoding. Other
     models keep float32 weights."""
     from specdec.defaults import is_alias
     from specdec.llama import supports

@@ -14,6 +14,7 @@ from specdec.api import batch_engine
 from specdec.batch import BatchEngine, BatchLlama
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
+from specdec.coststore import measure, measure_rows
 from specdec.llama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verify_rows_reference
@@ -118,7 +119,7 @@ def test_a_step_verifies_greedy_and_sampled_rows_together_as_each_alone():
 @pytest.mark.parametrize("case", ["greedy rows", "a sampled row alone", "a one-hot row alone",
                                   "sampled plain steps", "mixed rows"])
 def test_the_steps_verification_gives_the_ragged_verdicts(case):
-    """`BatchEngine._verify_chains` takes shorter ways (greedy rows from the target's choices, a
+    """`BatchEngine.verify_chains` takes shorter ways (greedy rows from the target's choices, a
     sampled row alone by `verify_chain`, sampled rows that drafted nothing by one draw from p):
     the same verdicts, and the same draws from each row's generator, as `_verdict` on the
     padded batch."""
@@ -144,7 +145,7 @@ def test_the_steps_verification_gives_the_ragged_verdicts(case):
 
         mine, theirs = ([Request([1, 2], 8, SamplingParams(t), k, seed=100 * trial + b) for b, t in enumerate(temps)]
                         for _ in range(2))
-        got = BatchEngine._verify_chains(engine, logits, mine, drafts, probs, one_hot)  # type: ignore[arg-type]
+        got = BatchEngine.verify_chains(engine, logits, mine, drafts, probs, one_hot)  # type: ignore[arg-type]
         tokens = torch.tensor([d + [-1] * (k_max - len(d)) for d in drafts], dtype=torch.long).reshape(n_rows, k_max)
         want = _verdict(logits, theirs, tokens, lens, None if k_max == 0 else probs[:, :k_max], one_hot, "t").rows()
         assert got == want, (case, trial)
@@ -402,7 +403,7 @@ def test_a_request_the_engine_refuses_ends_alone(tiny_pair, plain_tiny):
     for r in good:
         want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
         assert (r.generated, r.finish_reason, r.error) == (want.token_ids, want.finish_reason, None)
-    assert len(requests) == 5 and len(engine._free) == engine.target.slots  # every slot back
+    assert len(requests) == 5 and len(engine.free_slots) == engine.target.slots  # every slot back
 
 
 # ----------------------------------------------------------------- the exact statistical test, per row
@@ -539,7 +540,7 @@ def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(prophet):
 def test_rows_with_their_own_auto_policy_match_the_exact_distribution(prophet):
     """Each row owns an AutoPolicy (K from its own acceptance, pauses when no K pays)."""
     engine, target = toy_engine(prophet)
-    engine.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05))  # K=1 at low acceptance, K=4 at high
+    engine.kchoice.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05))  # K=1 at low acceptance, K=4 at high
     settings = dict(temperature=0.9, top_p=0.95)
     requests = [Request(PROMPT, LENGTH, row_params(settings), 4, seed=i, policy=AutoPolicy(4, min_rounds=1))
                 for i in range(N)]
@@ -553,7 +554,7 @@ def test_rows_with_their_own_auto_policy_match_the_exact_distribution(prophet):
 
 def test_auto_rows_stop_drafting_when_no_k_pays_and_stay_greedy_equal(tiny_pair, plain_tiny):
     engine = batch_engine(tiny_pair["target"], tiny_pair["far"], slots=4, draft_dtype=torch.float32)
-    engine.set_costs(Costs(1.0, {1: 1.0, 2: 2.0, 5: 5.0}, 1.0))  # drafting can never pay
+    engine.kchoice.set_costs(Costs(1.0, {1: 1.0, 2: 2.0, 5: 5.0}, 1.0))  # drafting can never pay
     requests = [Request(r.prompt, 24, SamplingParams(0.0), 4, policy=AutoPolicy(4, min_rounds=1))
                 for r in mixed_requests(engine.target.vocab_size)[:4]]
     engine.generate(requests)
@@ -574,8 +575,8 @@ def test_one_k_per_step_pays_for_the_padding_of_every_row():
     engine, _ = toy_engine("ngram")
     costs = Costs(1.0, {1: 1.0, 2: 1.2, 5: 1.8}, 0.0)
     rows = [Request(PROMPT, 8, SamplingParams(0.0), 4, policy=AutoPolicy(4)) for _ in range(4)]
-    assert engine._step_k(rows, [4, 0, 0, 0], costs) == [0, 0, 0, 0]  # 1 row of 4 cannot pay for it
-    assert engine._step_k(rows, [4, 4, 4, 4], costs)[0] > 0  # all 4 rows drafting can
+    assert engine.kchoice.step_k(rows, [4, 0, 0, 0], costs) == [0, 0, 0, 0]  # 1 row of 4 cannot pay for it
+    assert engine.kchoice.step_k(rows, [4, 4, 4, 4], costs)[0] > 0  # all 4 rows drafting can
 
 
 def test_negative_control_wrong_residual_is_caught(monkeypatch):
@@ -826,8 +827,8 @@ def test_seeded_sampled_rows_keep_request_costs_and_the_others_follow_the_batch(
 
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     alone, shared = Costs(1.0, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, 0.1), Costs(1.0, {1: 1.0, 2: 3.0, 3: 5.0, 4: 7.0}, 0.1)
-    engine._costs = {1: alone, 2: shared, 4: shared}
-    engine.row_costs = alone
+    engine.kchoice.by_bucket = {1: alone, 2: shared, 4: shared}
+    engine.kchoice.row_costs = alone
     rows = [Request([5, 6, 7, 8], 6, SamplingParams(temperature), 3, seed, make_policy("auto", 3))
             for temperature, seed in ((0.0, None), (1.0, None), (1.0, 7))]
     engine.step(rows)
@@ -882,9 +883,9 @@ def test_a_prophet_that_does_not_pay_at_the_batch_size_is_not_asked(tiny_pair, r
     asked: list[list[int]] = []
     propose = model.propose
     model.propose = lambda reqs, ks: (asked.append(list(ks)), propose(reqs, ks))[1]
-    engine.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.3))
-    engine.row_costs = Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01)
-    engine._pooled[model.name] = [100.0, 100.0 * recent]
+    engine.kchoice.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.3))
+    engine.kchoice.row_costs = Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01)
+    engine.kchoice.pooled[model.name] = [100.0, 100.0 * recent]
     rows = [Request([5, 6, 7, 8 + i], 12, SamplingParams(t), 3, seed, make_policy("fixed", 3))
             for i, (t, seed) in enumerate(((0.0, None), (1.0, None), (1.0, 7)))]
     for r in rows:
@@ -912,9 +913,9 @@ def test_a_prophet_never_pooled_is_not_asked_where_the_rows_expectations_do_not_
     asked: list[list[int]] = []
     propose = model.propose
     model.propose = lambda reqs, ks: (asked.append(list(ks)), propose(reqs, ks))[1]
-    engine.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01) if pays else
+    engine.kchoice.set_costs(Costs(1.0, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.01) if pays else
                      Costs(1.0, {1: 1.0, 2: 1.6, 3: 2.2, 4: 2.8}, 0.9))
-    assert model.name not in engine._pooled
+    assert model.name not in engine.kchoice.pooled
     rows = [Request([5, 6, 7, 8 + i], 12, SamplingParams(0.0), 3, None, make_policy("auto", 3)) for i in range(3)]
     engine.step(rows)
     if pays:
@@ -927,7 +928,7 @@ def test_a_prophets_measured_drafting_is_at_least_its_drafting_timed_alone(tiny_
     """A round less its pass is a difference of two noisy times (with many rows it came out 0 for
     eagle: drafts counted free): the drafting each round implies is floored by the same drafting
     timed alone. Timings made up so the difference is 0: the per-token cost is the alone time's."""
-    import specdec.batch as batch_module
+    import specdec.coststore as coststore_module
 
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=2, draft_dtype=torch.float32)
     name = engine.parts[0].name
@@ -940,8 +941,8 @@ def test_a_prophets_measured_drafting_is_at_least_its_drafting_timed_alone(tiny_
             out[key] = [0.010 if not isinstance(key, tuple) or len(key) == 2 else 0.002 * key[1]]
         return out
 
-    monkeypatch.setattr(batch_module, "interleaved_times", made_up)
-    costs = engine.measure(2, 3, [5, 6, 7, 8])
+    monkeypatch.setattr(coststore_module, "interleaved_times", made_up)
+    costs = measure(engine, 2, 3, [5, 6, 7, 8])
     assert costs.t_draft_by[name] == pytest.approx(0.002 / 2) and costs.t_call_by[name] == pytest.approx(0.0)
     assert costs.sampled is not None and costs.sampled.t_draft_by[name] == pytest.approx(0.002 / 2)
 
@@ -953,15 +954,15 @@ def test_measuring_costs_on_running_rows_changes_nothing_they_do(prophet):
     generator, feature and cache lengths come back as they were, so its tokens are those
     of the same request on an engine that never measured."""
     runs = []
-    for measure in (False, True):
+    for measured in (False, True):
         engine, _ = toy_engine(prophet)
         reqs = [Request(PROMPT, 24, SamplingParams(0.8), 3, seed=s) for s in (1, 2)]
         for _ in range(2):
             engine.step(reqs)
-        if measure:
+        if measured:
             before = [(r.params, r.generator.get_state().clone(), r.feature, dict(r.draft_cached), r.target_cached)
                       for r in reqs]
-            costs = engine._measure(reqs, 3)
+            costs = measure_rows(engine, reqs, 3)
             assert costs.sampled is not None and costs.context == max(len(r.context) for r in reqs)
             for r, (params, state, feature, cached, target_cached) in zip(reqs, before, strict=True):
                 assert r.params == params and torch.equal(r.generator.get_state(), state)

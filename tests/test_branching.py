@@ -99,7 +99,7 @@ def test_a_tree_whose_prophets_choose_their_own_k_matches_the_exact_distribution
     from specdec.policy import AutoPolicy
 
     engine, target = tree_engine(3, "tree")
-    engine.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05, width=2))
+    engine.kchoice.set_costs(Costs(1.0, {1: 1.0, 5: 1.4}, 0.05, width=2))
     settings = dict(temperature=0.9, top_p=0.95)
     requests = [Request([1, 2, 1, 2, 1], LENGTH + 2, row_params(settings), 4, seed=i,
                         policy=AutoPolicy(4, min_rounds=1)) for i in range(N)]

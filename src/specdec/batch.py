@@ -23,10 +23,9 @@ of a model.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,16 +33,12 @@ import torch
 from specdec.branching import record_fit
 from specdec.costmodel import (
     Costs,
-    clamp_acceptance,
-    expected_tokens_per_round,
-    interleaved_times,
-    monotone,
-    relative_spread,
 )
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
 from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
+from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama, trim_heap
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
@@ -56,7 +51,6 @@ from specdec.rowprophets import (
     BatchProphet,
     Eagle3BatchProphet,
     FirstBatchProphet,
-    LookupBatchProphet,
     ModelBatchProphet,
     RowsProphet,
     TreeBatchProphet,
@@ -68,9 +62,6 @@ from specdec.rowprophets import (
 from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
 from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
-
-POOL_DECAY, POOL_MIN = 0.98, 12.0  # BatchEngine._pooled: weight of each older round; positions needed
-POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
 
 
 def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.Tensor, lens: Sequence[int],
@@ -122,11 +113,6 @@ def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tens
     return [list(t.tokens) for t in trees], probs, one_hot
 
 
-def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], BatchDraft]:
-    """A prophet's drafting of chains (a branching eagle's without its trees): what a draft step costs."""
-    return getattr(part, "propose_chains", part.propose)  # type: ignore[no-any-return]
-
-
 class BatchEngine:
     def __init__(self, target: BatchLM, prophet: BatchProphet | None = None, eos_token_ids: Iterable[int] = (),
                  tokenizer: Any = None) -> None:
@@ -146,20 +132,8 @@ class BatchEngine:
                                                    if getattr(p, "fused_layers", None)), ())
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
-        self._free = list(range(target.slots))[::-1]  # slots no request holds
-        self._costs: dict[int, Costs] = {}  # measured step costs by batch-size bucket (auto K per row)
-        # Per prophet, the per-position acceptance of recent rounds of every row, decayed
-        # (tested, accepted): what a step's common K and its choice to draft at all read for
-        # rows whose K may follow the batch (`batch_free`), so that a batch of fresh requests
-        # (each policy still near its prior) stops paying for drafts that do not pay.
-        self._pooled: dict[str, list[float]] = {}
-        self._costed_steps = 0  # steps that drafted by costs without a tree (POOL_PROBE counts them)
-        # The costs a sampled row's policy decides from, the same for every request whatever
-        # shares its steps (wiring.engine_for sets the decoder's stored costs; else one row's, measured)
-        self.row_costs: Costs | None = None
-        # Where a bucket's measured costs are kept across processes (wiring.engine_for: the
-        # decoder's stored_batch_costs), or None: measured in each process
-        self.cost_store: Callable[[int, int, Callable[[], Costs]], Costs] | None = None
+        self.free_slots = list(range(target.slots))[::-1]  # slots no request holds
+        self.kchoice = KChoice(self)  # how many tokens each row drafts (`specdec.kchoice`)
         # Seconds one measurement (greedy or sampled, one batch size) may take before it stops
         # repeating (`costmodel.interleaved_times`); None: all its repeats
         self.measure_budget_s: float | None = None
@@ -188,9 +162,10 @@ class BatchEngine:
         # 1. Join: new rows take a free cache slot; prompts are prefilled a chunk per step
         #    (`prefill_chunk` tokens at most), so a long prompt never stalls the running rows
         #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
-        self._admit(active)
-        self._store_prefixes(active)
-        self._take_prefixes(active)
+        self.admit(active)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store_rows(self.target, active)
+            self.prefix_cache.take_rows(self.target, active)
         alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
             prefill_rows(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
@@ -200,7 +175,7 @@ class BatchEngine:
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
         #    padded to the longest feed, so with auto rows one K for the step is chosen from
         #    the rows' drafts (prompt lookup: after proposing, it is free; a model: before).
-        costs = self._policy_costs(active)
+        costs = self.kchoice.policy_costs(active)
         d0 = time.perf_counter()
         draft = self._draft(active, costs)
         d1 = time.perf_counter()
@@ -210,14 +185,14 @@ class BatchEngine:
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
         # 4. Ragged verification.
-        verdicts = self._verify_chains(logits, active, draft.tokens, draft.probs, draft.one_hot)
+        verdicts = self.verify_chains(logits, active, draft.tokens, draft.probs, draft.one_hot)
         share = self._timed(len(active), d0, d1)
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
         return refused + [self._commit_chain(r, b, t, v, names[b], share, hidden, starts[b])
                           for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdicts, strict=True))]
 
-    def _verify_chains(self, logits: torch.Tensor, rows: Sequence[Request], drafts: Sequence[list[int]],
+    def verify_chains(self, logits: torch.Tensor, rows: Sequence[Request], drafts: Sequence[list[int]],
                        probs: torch.Tensor | None, one_hot: Sequence[bool] | None) -> list[Verdict]:
         """Each row's chain (its own length) verified from the pass's logits (B, >= K+1, V)
         and q (B, >= K, V) or None: `_verdict` on the rows padded to the longest, or (the same
@@ -319,7 +294,7 @@ class BatchEngine:
         as_chain: dict[int, Verdict] = {}
         if chained:  # those rows' chains, verified together as the chain step verifies
             drafts, probs, one_hot = chain_draft([trees[b] for b in chained])
-            as_chain = dict(zip(chained, self._verify_chains(logits[chained], [active[b] for b in chained], drafts,
+            as_chain = dict(zip(chained, self.verify_chains(logits[chained], [active[b] for b in chained], drafts,
                                                              probs, one_hot), strict=True))
         share = self._timed(len(active), d0, d1)
         events = []
@@ -370,44 +345,38 @@ class BatchEngine:
         if self.prophet is None:
             return BatchDraft([[] for _ in active], None)
         if isinstance(self.prophet, TreeBatchProphet):  # a tree per row: each prophet's chain of its own K
-            ks = [self._draft_budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
+            ks = [self.kchoice.budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
                   for r in active]
 
             def own(r: Request, name: str) -> int:  # the row's policy's K of a prophet, or of the whole tree
-                return self._draft_budget(r, name if r.policy is not None and r.policy.per_prophet else TREE)
+                return self.kchoice.budget(r, name if r.policy is not None and r.policy.per_prophet else TREE)
 
             return self.prophet.propose(active, ks, own) if any(ks) else BatchDraft([[] for _ in active], None)
         skip: set[str] = set()
         if costs is not None:
-            self._costed_steps += 1
-            skip = self._not_paying(active, costs, self._costed_steps)
+            self.kchoice.costed_steps += 1
+            skip = self.kchoice.not_paying(active, costs, self.kchoice.costed_steps)
 
         def budget(r: Request, name: str | None = None) -> int:
-            return 0 if name in skip and batch_free(r) else self._draft_budget(r, name)
+            return 0 if name in skip and batch_free(r) else self.kchoice.budget(r, name)
 
         if isinstance(self.prophet, FirstBatchProphet):
             if all(p.name in skip for p in self.parts) and all(batch_free(r) for r in active):
                 return BatchDraft([[] for _ in active], None)  # no prophet pays: nothing asked
-            ks = [self._draft_budget(r) for r in active]
+            ks = [self.kchoice.budget(r) for r in active]
             draft = self.prophet.propose(active, ks, budget=budget) if any(ks) else \
                 BatchDraft([[] for _ in active], None)
         else:
             ks = [budget(r, self.prophet.name) for r in active]
             if costs is not None and isinstance(self.prophet, ModelBatchProphet):  # early exit too
-                ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
+                ks = self.kchoice.batch_cut(active, ks, self.kchoice.step_k(active, ks, costs))
             draft = self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
         if costs is not None and not isinstance(self.prophet, ModelBatchProphet) and draft.trees is None:
             lens = [len(t) for t in draft.tokens]
-            draft = draft.cut(self._batch_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
+            cut = self.kchoice.step_k(active, lens, costs, draft.names)
+            draft = draft.cut(self.kchoice.batch_cut(active, lens, cut))
         return draft
 
-    @staticmethod
-    def _batch_cut(active: Sequence[Request], ks: Sequence[int], cut: Sequence[int]) -> list[int]:
-        """The step's common K applies to greedy rows and unseeded sampled rows: a greedy row's
-        tokens do not depend on its K, and an unseeded row promises no particular tokens; a
-        seeded sampled row's draws depend on its K, so it keeps the K its own policy chose from
-        costs fixed for the request (`row_costs`), whatever shares the step."""
-        return [c if batch_free(r) else k for r, k, c in zip(active, ks, cut, strict=True)]
 
     def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
                     text: str = "", finish_reason: str | None = None) -> RoundEvent:
@@ -483,14 +452,15 @@ class BatchEngine:
     def _free_slot(self, req: Request) -> None:
         if req.slot is None:
             return
-        self._store_prefixes([req])
+        if self.prefix_cache is not None:
+            self.prefix_cache.store_rows(self.target, [req])
         self.target.free(req.slot)
         for lm in self.draft_lms:
             lm.free(req.slot)
         for part in self.parts:
             if isinstance(part, RowsProphet | Eagle3BatchProphet):
                 part.free(req.slot)
-        self._free.append(req.slot)
+        self.free_slots.append(req.slot)
         req.slot, req.fused = None, []
         lms = [lm for lm in (self.target, *self.draft_lms) if isinstance(lm, BatchLlama)]
         if any([lm.trim_due() for lm in lms]):  # every one asked (each starts its count again)
@@ -515,42 +485,14 @@ class BatchEngine:
             self.prefix_cache.resize(max_bytes)
             return self.prefix_cache
 
-    def _store_prefixes(self, reqs: Sequence[Request]) -> None:
-        """Rows whose prompt a prompt pass has read (all but its last token, at least to the
-        last whole block) give its blocks to the prefix cache, once."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for r in reqs:
-            if r.slot is None or r.prefix_stored or r.target_cached < cache.usable(len(r.prompt)):
-                continue
-            r.prefix_stored = True
-            kv = self.target.slot_kv(r.slot)  # type: ignore[attr-defined]
-            if kv is not None and cache.usable(len(r.prompt)) > r.prefix_hit:
-                end = cache.usable(len(r.prompt))
-                cache.store(r.prompt, kv[0][:, :, :end], kv[1][:, :, :end])
-
-    def _take_prefixes(self, active: Sequence[Request]) -> None:
-        """Rows that hold a slot but have read nothing of their prompt yet take the longest prefix
-        the cache has for it: at admission, and again each step while they wait for their turn
-        to prefill (a row sharing a document with the row being prefilled starts past it)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for r in active:
-            if r.slot is not None and r.target_cached == 0 and cache.usable(len(r.prompt)) > 0:
-                n, blocks = cache.lookup(r.prompt)
-                if n:
-                    r.target_cached = r.prefix_hit = self.target.load_prefix(r.slot, blocks)  # type: ignore[attr-defined]
-
-    def _admit(self, active: Sequence[Request]) -> None:
+    def admit(self, active: Sequence[Request]) -> None:
         new = [r for r in active if r.slot is None]
         if not new:
             return
-        if len(new) > len(self._free):
+        if len(new) > len(self.free_slots):
             raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
         for r in new:
-            r.slot, r.target_cached, r.draft_cached = self._free.pop(), 0, {}
+            r.slot, r.target_cached, r.draft_cached = self.free_slots.pop(), 0, {}
             r.fused, r.fused_from = [], 0
             r.prefix_stored, r.prefix_hit = False, 0
             if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
@@ -558,239 +500,6 @@ class BatchEngine:
         if self.prophet is not None:  # a prophet's own model is small: its prompt goes in at once
             self.prophet.prefill([r for r in new if r.k > 0])
 
-    def _draft_budget(self, req: Request, prophet: str | None = None) -> int:
-        """K for this step: of `prophet` as the request's policy chooses it (None: the largest
-        the request allows), cut so a step never overshoots max_new_tokens (a step yields up
-        to K+1 tokens) or the target's or prophet's context."""
-        if self.prophet is None or req.k == 0 or (prophet not in (None, TREE) and req.prophets is not None
-                                                   and prophet not in req.prophets):
-            return 0
-        k = req.policy.next_k(prophet) if req.policy is not None and prophet is not None else req.k
-        remaining = req.max_new_tokens - len(req.generated)
-        room = self.target.max_length - req.length
-        return max(0, min(k, req.k, remaining - 1, room, self.prophet.room(req)))
-
-    def set_costs(self, costs: Costs) -> None:
-        """Use these costs at every batch size instead of measuring them (tests, known hardware)."""
-        self._costs = {b: costs for b in range(1, self.target.slots + 1)}
-
-    def _step_k(self, active: Sequence[Request], lens: Sequence[int], costs: Costs,
-                names: Sequence[str | None] | None = None) -> list[int]:
-        """Each row's draft length cut to the one K that maximises the step's expected
-        tokens per second: a row with acceptance a_b and a draft of n_b tokens yields
-        tokens(a_b, min(K, n_b)) (1 without a draft), and every row pays for the longest
-        feed. No K paying more than plain steps: no drafts this step. The cut depends on
-        draft lengths and acceptance only, never on drafted tokens, so it stays exact. A row
-        alone keeps the K its policy chose (the policy weighed the same costs, and may probe)."""
-        if not any(lens) or len(active) == 1:  # a row alone: its own policy's K (probes included)
-            return list(lens)
-        default = self.prophet.name if self.prophet is not None else None
-        row_names = [n or default for n in names] if names else [default] * len(active)
-        rates = [a if (a := self._rate(r, n)) is not None else 0.999 for r, n in zip(active, row_names, strict=True)]
-        # The step drafts as long as its costliest prophet in use (a lookup costs nothing).
-        used = {n for n, k in zip(row_names, lens, strict=True) if k and n}
-        prophet = max(used, key=lambda n: costs.t_draft_by.get(n, costs.t_draft), default=default)
-
-        def gain(k: int) -> float:
-            tokens = sum(expected_tokens_per_round(clamp_acceptance(a), min(k, n)) if n else 1.0
-                         for a, n in zip(rates, lens, strict=True))
-            return costs.speedup(tokens / len(active), k, prophet)
-
-        best = max(range(max(lens) + 1), key=lambda k: (gain(k) if k else 1.0, -k))
-        return [min(n, best) for n in lens]
-
-    def _rate(self, req: Request, prophet: str | None) -> float | None:
-        """The per-position acceptance a step weighs for a row's drafts by `prophet`: its recent
-        acceptance pooled over every row once there is enough of it, else what the row's own
-        policy expects of it (None where the policy keeps no estimate)."""
-        pooled = self._pooled_rate(prophet)
-        if pooled is not None:
-            return pooled
-        return req.policy.acceptance(prophet) if req.policy is not None else None
-
-    def _pooled_rate(self, prophet: str | None) -> float | None:
-        """The recent per-position acceptance of a prophet over every row, once there is
-        enough of it (POOL_MIN tested positions), else None."""
-        pooled = self._pooled.get(prophet or "")
-        return pooled[1] / pooled[0] if pooled is not None and pooled[0] >= POOL_MIN else None
-
-    def _not_paying(self, active: Sequence[Request], costs: Costs, step_index: int) -> set[str]:
-        """Prophets that no K would pay for at this batch size, at their recent acceptance over
-        every row (until enough of it is pooled, the mean of what the batch-free rows' policies
-        expect of it: the rates the step's cut would weigh): batch-free rows do not ask them this
-        step (their draft would be cut to nothing after it was paid for, and a draft always cut
-        pools no acceptance). A lookup drafts for free but is asked row by row: with many rows,
-        where each scored token costs nearly a row's step, 64 rows' lookups and budgets took
-        ~0.8 ms of a ~25 ms step. Every POOL_PROBE-th step asks them anyway (`step_index`): the
-        estimate stays fresh."""
-        if len(active) == 1 or step_index % POOL_PROBE == 0:
-            return set()
-        k_max = max(r.k for r in active)
-        free = [r for r in active if batch_free(r)]
-        out = set()
-        for part in self.parts:
-            a = self._pooled_rate(part.name)
-            if a is None:  # nothing pooled yet (its drafts so far all cut): the mean of the rows' own expectations
-                expected = [x for r in free if (x := self._rate(r, part.name)) is not None]
-                a = sum(expected) / len(expected) if expected else None
-            if a is None or k_max < 1:
-                continue
-            if costs.best_k(a, k_max, part.name)[1] <= 1.0:
-                out.add(part.name)
-        return out
-
-    def calibrate(self, k_max: int, prompt_len: int = 16) -> dict[int, Costs]:
-        """Measure now, on placeholder rows, the step costs of every batch-size bucket (1, 2,
-        4, ... up to the slots) that the auto policy would otherwise measure on the first
-        requests of that size (a server does this at startup, so that no request waits for
-        it). Buckets already measured are kept. Returns the costs by bucket."""
-        if self.prophet is None or k_max < 1:
-            return dict(self._costs)
-        for size in sorted({self._bucket(n) for n in range(1, self.target.slots + 1)}):
-            if size not in self._costs and len(self._free) >= size:
-                measure = lambda size=size: self.measure(size, k_max, [0] * prompt_len)  # noqa: E731
-                self._costs[size] = self.cost_store(size, k_max, measure) if self.cost_store else measure()
-        return dict(self._costs)
-
-    def measure(self, size: int, k_max: int, prompt: Sequence[int], repeats: int = 3) -> Costs:
-        """The step costs of `size` rows of this prompt (`_measure`), measured on placeholder
-        rows in free slots, which are free again afterwards."""
-        with self.lock, attention_backends(self.target.device):
-            rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
-            self._admit(rows)
-            try:
-                prefill_rows(self.target, rows, TARGET, None, self.fused_layers)
-                return self._measure(rows, k_max, repeats)
-            finally:
-                for r in rows:
-                    self.release(r)
-
-    def _bucket(self, n_rows: int) -> int:
-        """The batch-size bucket whose measured costs a step of n_rows uses: 1, 2, 4, ... (up
-        to the slots)."""
-        return min(1 << (n_rows - 1).bit_length(), self.target.slots)
-
-    def _policy_costs(self, active: Sequence[Request]) -> Costs | None:
-        """Hand rows whose policy needs costs the costs of a step at this batch size,
-        measured once per size bucket (1, 2, 4, 8, ...) on the rows themselves: a target
-        pass over n = 1..K+1 tokens per row, and a drafting pass. Nothing it writes
-        survives: caches are written by position, past each row's cached length."""
-        rows = [r for r in active if r.policy is not None and r.policy.needs_costs and r.k > 0]
-        if not rows or self.prophet is None:
-            return None
-        bucket = self._bucket(len(active))
-        if bucket not in self._costs:
-            self._costs[bucket] = self._bucket_costs(bucket, active, max(r.k for r in rows))
-        for r in rows:  # each at its own context length (`Costs.at`) and temperature
-            if batch_free(r):
-                base = self._costs[bucket]
-            else:  # a seeded sampled row's K must not depend on the batch: costs fixed for the request
-                if self.row_costs is None:
-                    self.row_costs = self._costs.get(1) or self._measure(active[:1], max(r.k for r in rows))
-                base = self.row_costs
-            own = base.for_params(r.params.greedy).at(r.length)
-            # a tree's prophets each choose their own K (per-prophet policies): each weighs its own chain
-            tree_k = isinstance(self.prophet, TreeBatchProphet) and r.policy.per_prophet  # type: ignore[union-attr]
-            r.policy.costs = own.alone() if tree_k else own  # type: ignore[union-attr]
-        # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
-        return self._costs[bucket].for_params(all(r.params.greedy for r in active)).at(
-            max(r.length for r in active))
-
-    def _bucket_costs(self, bucket: int, active: Sequence[Request], k_max: int) -> Costs:
-        """A bucket's step costs: from `cost_store` (the decoder's stored costs, measured once
-        per machine and settings) where the engine has one, else measured now on these rows."""
-        if self.cost_store is not None:
-            return self.cost_store(bucket, k_max, lambda: self._measure(active, k_max))
-        return self._measure(active, k_max)
-
-    def _measure(self, active: Sequence[Request], k_max: int, repeats: int = 3) -> Costs:
-        """A step's costs per row at this batch size, measured on these rows with the step's
-        own parts: the target pass over n = 1..1 + width * K tokens per row with its
-        probabilities and the verification, and each prophet's `propose` at K = 1 and K
-        (its fixed cost per call and per drafted token); greedy, and at temperature 1
-        (`Costs.sampled`). Nothing of the rows changes: caches are written by position past
-        their cached lengths, and each row's settings, generator, feature and draft-cache
-        lengths are put back after every call."""
-        greedy = self._measure_at(active, k_max, SamplingParams(0.0), repeats)
-        greedy.sampled = self._measure_at(active, k_max, SamplingParams(1.0), repeats)
-        return greedy
-
-    def _measure_at(self, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
-        slots, starts, n_rows = [row_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
-        width = len(self.parts) if isinstance(self.prophet, TreeBatchProphet) else 1
-        room = min(self.target.max_length - s for s in starts)
-        sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
-        for part in self.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
-            if isinstance(part, Eagle3BatchProphet):
-                part.settle(rows, leave=2)
-        saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
-                 for r in rows]
-        features = self.prophet is not None and self.prophet.reads_features
-        fresh: list[torch.Tensor | None] = [None] * n_rows
-
-        def put_back() -> None:  # after every timed call
-            for r, (_, feature, cached, state, fused, fused_from), f in zip(rows, saved, fresh, strict=True):
-                r.feature, r.draft_cached = f if f is not None else feature, dict(cached)
-                r.generator.set_state(state)
-                r.fused, r.fused_from = list(fused), fused_from
-
-        q_max: torch.Tensor | None = None  # a sampled draft's q (the prophet allocates it, outside the pass)
-
-        def score(n: int) -> None:  # a step's pass, probabilities and verification for n tokens per row
-            nonlocal q_max
-            args = (slots, starts, [[0] * n] * n_rows, [n] * n_rows)
-            logits = self.target.forward_features(*args)[0] if features else self.target.forward(*args)
-            if not params.greedy and q_max is None:
-                q_max = torch.full((n_rows, max(sizes) - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
-                                   device=logits.device)
-            # the step's own verification (`_verify_chains`, its shorter ways included), so the costs are the step's
-            self._verify_chains(logits, rows, [[0] * (n - 1)] * n_rows, q_max, [params.greedy] * n_rows)
-
-        def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
-            chains(part)(rows, [k] * n_rows)
-            if not isinstance(part, LookupBatchProphet):
-                score(1 + width * k)
-
-        # Each prophet's round is timed as it runs, its drafting right after a target pass
-        # (whose weights push the prophet's out of the processor's caches): alone, back to
-        # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
-        # drafting row by row (RowsProphet) reports its own cost; one with no room drafts nothing.
-        # A round less its pass is a difference of two noisy times: with many rows, where the pass
-        # is long, it came out 0 for an eagle (8 rows of SmolLM2: drafts counted free, taken at a
-        # loss), so each drafting is also timed alone, back to back: its floor.
-        ks = {p.name: sorted({1, k}) for p in self.parts if not isinstance(p, RowsProphet)
-              and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
-        timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
-        timed.update({(p.name, j): functools.partial(round_of, p, j) for p in self.parts for j in ks.get(p.name, [])})
-        timed.update({(p.name, j, "alone"): functools.partial(chains(p), rows, [j] * n_rows) for p in self.parts
-                      if not isinstance(p, LookupBatchProphet) for j in ks.get(p.name, [])})
-        try:
-            for r in rows:
-                r.params = params
-            if features:  # a feature prophet drafts from the target's feature at the row's last position
-                hidden = self.target.forward_features(slots, starts, [[0]] * n_rows, [1] * n_rows)[1]
-                fresh = [hidden[b, 0] for b in range(n_rows)]
-            put_back()
-            times = interleaved_times(timed, repeats, put_back, self.measure_budget_s)
-            t = {key: min(ts) / n_rows for key, ts in times.items()}
-        finally:
-            for r, (p, *_), in zip(rows, saved, strict=True):
-                r.params = p
-            fresh = [None] * n_rows
-            put_back()
-        t_verify = monotone({n: t[n] for n in sizes})
-        per_token = {p.name: p.per_token if isinstance(p, RowsProphet) else 0.0 for p in self.parts}
-        per_call: dict[str, float] = {}
-        lookups = {p.name for p in self.parts if isinstance(p, LookupBatchProphet)}
-        for name, js in ks.items():
-            drafting = {j: t[name, j] if name in lookups else max(t[name, j] - t[1 + width * j], t[name, j, "alone"])
-                        for j in js}
-            k = max(drafting)
-            per_token[name] = max(0.0, (drafting[k] - drafting[1]) / (k - 1)) if k > 1 else drafting[1]
-            per_call[name] = max(0.0, drafting[1] - per_token[name])
-        t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
-        return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
-                     context=max(r.length for r in rows), spread=relative_spread(times[1]))
 
     def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
                 prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
@@ -813,9 +522,7 @@ class BatchEngine:
         rounds = list(each.items()) if each else [(prophet, (n_drafted, n_accepted))]
         for i, (name, (k, accepted)) in enumerate(rounds):
             if k and name is not None:
-                pooled = self._pooled.setdefault(name, [0.0, 0.0])
-                pooled[0] = pooled[0] * POOL_DECAY + min(k, accepted + 1)
-                pooled[1] = pooled[1] * POOL_DECAY + accepted
+                self.kchoice.observe(name, k, accepted)
             if req.policy is not None and self.prophet is not None:
                 req.policy.observe(RoundOutcome(k, accepted, share[0], share[1], 1 if k else 0,
                                                 name if k else None, same_round=i > 0))

@@ -134,7 +134,7 @@ def expected_gain(a: float, k: float, c: float, v: float = 1.0) -> float:
 @dataclass
 class Costs:
     """Measured once per decoder and machine (SpeculativeDecoder.calibrate, through the one
-    loop's own passes: `BatchEngine.measure`), in seconds: a plain step (the target's pass
+    loop's own passes: `coststore.measure`), in seconds: a plain step (the target's pass
     over one token, its probabilities and the verification), the same scoring n tokens (a
     few n from 1 up; v(K) = t_verify(K+1) / t_plain), one drafting step of a round (all its
     prophets together), what a drafting call costs once per round on top of its steps

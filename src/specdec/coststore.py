@@ -1,7 +1,7 @@
 """The measured-cost store: what a decoder's steps cost on this machine, measured once and kept.
 
 K policies choose K from measured step costs (`specdec.costmodel.Costs`). They are measured
-on the one loop's own passes (`BatchEngine.measure`) the first time a decoder needs them,
+on the one loop's own passes (`measure`, `measure_rows`) the first time a decoder needs them,
 within a time budget, and stored under the cache directory keyed by everything a step's cost
 depends on (`costs_key`): every decoder loaded later with the same settings on this machine
 decides from the same numbers, so a seed fixes the output of every policy across loads and
@@ -12,6 +12,7 @@ deleting the cache's costs/ folder) measures again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -19,14 +20,18 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from specdec import layerloop, qgemm
-from specdec.costmodel import Costs, OtherLoad
+from specdec.costmodel import Costs, OtherLoad, interleaved_times, monotone, relative_spread
 from specdec.defaults import cache_dir, cpu_model
+from specdec.lm import attention_backends
+from specdec.request import TARGET, Request, row_slot
+from specdec.rowprophets import Eagle3BatchProphet, LookupBatchProphet, RowsProphet, TreeBatchProphet, prefill_rows
+from specdec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 KEY_VERSION = 25  # raised when a step itself changes, so that costs stored before are measured again
@@ -116,7 +121,7 @@ def forget(key: dict[str, Any]) -> bool:
 def calibrate(decoder: Any, engine: Any, n_context: int = 64, repeats: int = 7, long_context: int = 1024,
               budget_s: float | None = DECODER_BUDGET_S) -> Costs:
     """Time what a round of a decoder's requests costs on its one loop, `engine`
-    (`BatchEngine.measure`, one placeholder row of `n_context` tokens, and again of
+    (`measure`, one placeholder row of `n_context` tokens, and again of
     `long_context` tokens where the target's context allows: `Costs.at` weighs the two by a
     request's length): a plain step, steps scoring n = 2.. tokens (up to a round of the
     policy's largest K) and each prophet's drafting, greedy and at temperature 1. Each figure
@@ -128,7 +133,7 @@ def calibrate(decoder: Any, engine: Any, n_context: int = 64, repeats: int = 7, 
 
     def at(n: int) -> Costs:
         ctx = [1 + i % max(1, decoder.target.vocab_size - 1) for i in range(n)]
-        return engine.measure(1, k, ctx, repeats)  # type: ignore[no-any-return]
+        return measure(engine, 1, k, ctx, repeats)
 
     try:
         short = at(max(2, min(n_context, room)))
@@ -140,3 +145,113 @@ def calibrate(decoder: Any, engine: Any, n_context: int = 64, repeats: int = 7, 
     finally:
         engine.measure_budget_s = before
     return short
+
+
+def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], Any]:
+    """A prophet's drafting of chains (a branching eagle's without its trees): what a draft step costs."""
+    return getattr(part, "propose_chains", part.propose)  # type: ignore[no-any-return]
+
+
+def measure(engine: Any, size: int, k_max: int, prompt: Sequence[int], repeats: int = 3) -> Costs:
+    """The step costs of `size` rows of this prompt (`measure_rows`), measured on placeholder
+    rows in free slots, which are free again afterwards."""
+    with engine.lock, attention_backends(engine.target.device):
+        rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
+        engine.admit(rows)
+        try:
+            prefill_rows(engine.target, rows, TARGET, None, engine.fused_layers)
+            return measure_rows(engine, rows, k_max, repeats)
+        finally:
+            for r in rows:
+                engine.release(r)
+
+
+def measure_rows(engine: Any, active: Sequence[Request], k_max: int, repeats: int = 3) -> Costs:
+    """A step's costs per row at this batch size, measured on these rows with the step's
+    own parts: the target pass over n = 1..1 + width * K tokens per row with its
+    probabilities and the verification, and each prophet's `propose` at K = 1 and K
+    (its fixed cost per call and per drafted token); greedy, and at temperature 1
+    (`Costs.sampled`). Nothing of the rows changes: caches are written by position past
+    their cached lengths, and each row's settings, generator, feature and draft-cache
+    lengths are put back after every call."""
+    greedy = _measure_at(engine, active, k_max, SamplingParams(0.0), repeats)
+    greedy.sampled = _measure_at(engine, active, k_max, SamplingParams(1.0), repeats)
+    return greedy
+
+
+def _measure_at(engine: Any, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
+    slots, starts, n_rows = [row_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
+    width = len(engine.parts) if isinstance(engine.prophet, TreeBatchProphet) else 1
+    room = min(engine.target.max_length - s for s in starts)
+    sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
+    for part in engine.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
+        if isinstance(part, Eagle3BatchProphet):
+            part.settle(rows, leave=2)
+    saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
+             for r in rows]
+    features = engine.prophet is not None and engine.prophet.reads_features
+    fresh: list[torch.Tensor | None] = [None] * n_rows
+
+    def put_back() -> None:  # after every timed call
+        for r, (_, feature, cached, state, fused, fused_from), f in zip(rows, saved, fresh, strict=True):
+            r.feature, r.draft_cached = f if f is not None else feature, dict(cached)
+            r.generator.set_state(state)
+            r.fused, r.fused_from = list(fused), fused_from
+
+    q_max: torch.Tensor | None = None  # a sampled draft's q (the prophet allocates it, outside the pass)
+
+    def score(n: int) -> None:  # a step's pass, probabilities and verification for n tokens per row
+        nonlocal q_max
+        args = (slots, starts, [[0] * n] * n_rows, [n] * n_rows)
+        logits = engine.target.forward_features(*args)[0] if features else engine.target.forward(*args)
+        if not params.greedy and q_max is None:
+            q_max = torch.full((n_rows, max(sizes) - 1, logits.shape[-1]), 1.0 / logits.shape[-1],
+                               device=logits.device)
+        # the step's own verification (`_verify_chains`, its shorter ways included), so the costs are the step's
+        engine.verify_chains(logits, rows, [[0] * (n - 1)] * n_rows, q_max, [params.greedy] * n_rows)
+
+    def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
+        chains(part)(rows, [k] * n_rows)
+        if not isinstance(part, LookupBatchProphet):
+            score(1 + width * k)
+
+    # Each prophet's round is timed as it runs, its drafting right after a target pass
+    # (whose weights push the prophet's out of the processor's caches): alone, back to
+    # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
+    # drafting row by row (RowsProphet) reports its own cost; one with no room drafts nothing.
+    # A round less its pass is a difference of two noisy times: with many rows, where the pass
+    # is long, it came out 0 for an eagle (8 rows of SmolLM2: drafts counted free, taken at a
+    # loss), so each drafting is also timed alone, back to back: its floor.
+    ks = {p.name: sorted({1, k}) for p in engine.parts if not isinstance(p, RowsProphet)
+          and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
+    timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
+    timed.update({(p.name, j): functools.partial(round_of, p, j) for p in engine.parts for j in ks.get(p.name, [])})
+    timed.update({(p.name, j, "alone"): functools.partial(chains(p), rows, [j] * n_rows) for p in engine.parts
+                  if not isinstance(p, LookupBatchProphet) for j in ks.get(p.name, [])})
+    try:
+        for r in rows:
+            r.params = params
+        if features:  # a feature prophet drafts from the target's feature at the row's last position
+            hidden = engine.target.forward_features(slots, starts, [[0]] * n_rows, [1] * n_rows)[1]
+            fresh = [hidden[b, 0] for b in range(n_rows)]
+        put_back()
+        times = interleaved_times(timed, repeats, put_back, engine.measure_budget_s)
+        t = {key: min(ts) / n_rows for key, ts in times.items()}
+    finally:
+        for r, (p, *_), in zip(rows, saved, strict=True):
+            r.params = p
+        fresh = [None] * n_rows
+        put_back()
+    t_verify = monotone({n: t[n] for n in sizes})
+    per_token = {p.name: p.per_token if isinstance(p, RowsProphet) else 0.0 for p in engine.parts}
+    per_call: dict[str, float] = {}
+    lookups = {p.name for p in engine.parts if isinstance(p, LookupBatchProphet)}
+    for name, js in ks.items():
+        drafting = {j: t[name, j] if name in lookups else max(t[name, j] - t[1 + width * j], t[name, j, "alone"])
+                    for j in js}
+        k = max(drafting)
+        per_token[name] = max(0.0, (drafting[k] - drafting[1]) / (k - 1)) if k > 1 else drafting[1]
+        per_call[name] = max(0.0, drafting[1] - per_token[name])
+    t_draft = sum(per_token.values()) if width > 1 else max(per_token.values(), default=0.0)
+    return Costs(t_verify[1], t_verify, t_draft, width, per_token, per_call,
+                 context=max(r.length for r in rows), spread=relative_spread(times[1]))

@@ -262,7 +262,7 @@ class SpeculativeDecoder:
         # the target's aligned attention blocks, as everywhere), nothing waits behind it.
         engine.prefill_chunk = engine.target.max_length
         if self._costs is not None:
-            engine._costs.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
+            engine.kchoice.by_bucket.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
         return engine
 
     def _step_alone(self, req: Request, finish: Finish, release_text: bool) -> Iterator[RoundEvent]:
@@ -332,7 +332,7 @@ class SpeculativeDecoder:
         return coststore.stored(self.costs_key(), self.calibrate)
 
     def stored_batch_costs(self, bucket: int, k_max: int, measure: Callable[[], Costs]) -> Costs:
-        """The costs of a batched step of `bucket` rows (per row; `BatchEngine._measure`),
+        """The costs of a batched step of `bucket` rows (per row; `coststore.measure_rows`),
         stored as `stored_costs` is."""
         return coststore.stored({**self.costs_key(), "batch_bucket": bucket, "batch_k_max": k_max}, measure,
                                 f"the step costs of {bucket} rows")

@@ -25,6 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,6 +113,28 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.hit_tokens += end
         return end, [(self._blocks[k].keys, self._blocks[k].values) for k in path]
+
+    def store_rows(self, target: Any, reqs: Sequence[Any]) -> None:
+        """Rows (`Request`s holding a slot of `target`) whose prompt a prompt pass has read (all
+        but its last token, at least to the last whole block) give its blocks to the cache, once."""
+        for r in reqs:
+            if r.slot is None or r.prefix_stored or r.target_cached < self.usable(len(r.prompt)):
+                continue
+            r.prefix_stored = True
+            kv = target.slot_kv(r.slot)
+            if kv is not None and self.usable(len(r.prompt)) > r.prefix_hit:
+                end = self.usable(len(r.prompt))
+                self.store(r.prompt, kv[0][:, :, :end], kv[1][:, :, :end])
+
+    def take_rows(self, target: Any, reqs: Sequence[Any]) -> None:
+        """Rows that hold a slot of `target` but have read nothing of their prompt yet start from
+        the longest prefix kept for it: at admission, and again each step while they wait for
+        their turn to prefill (a row sharing a document with the row being prefilled starts past it)."""
+        for r in reqs:
+            if r.slot is not None and r.target_cached == 0 and self.usable(len(r.prompt)) > 0:
+                n, blocks = self.lookup(r.prompt)
+                if n:
+                    r.target_cached = r.prefix_hit = target.load_prefix(r.slot, blocks)
 
     def store(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> int:
         """Keep the whole blocks of prompt `tokens` that a prompt pass computed into keys and

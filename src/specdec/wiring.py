@@ -430,11 +430,11 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
         decoder.__dict__["_prefix_cache"] = engine.enable_prefix_cache(int(mb * (1 << 20)),
                                                                        decoder.__dict__.get("_prefix_cache"))
         engine.prefix_mb = mb
-    if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.row_costs is None:
+    if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.kchoice.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same
         # tokens alone, in any batch, and in another process on this machine
-        engine.row_costs = decoder.decision_costs()
-        engine.cost_store = decoder.stored_batch_costs
+        engine.kchoice.row_costs = decoder.decision_costs()
+        engine.kchoice.cost_store = decoder.stored_batch_costs
         engine.measure_budget_s = BATCH_BUDGET_S
     return engine
 

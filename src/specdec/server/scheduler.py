@@ -190,7 +190,7 @@ class Scheduler:
             return 0.0
         t0 = time.perf_counter()
         with self._cond:  # nothing runs yet, but the engine is the scheduler thread's
-            self.engine.calibrate(self.default_k)
+            self.engine.kchoice.calibrate(self.default_k)
         took = time.perf_counter() - t0
         log.info("measured the batched step's costs at batch sizes up to %d in %.1fs", self.max_batch, took)
         return took

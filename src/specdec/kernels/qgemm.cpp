@@ -36,20 +36,21 @@
 #include <immintrin.h>
 #endif
 
+// The implementations this build compiles (1) or leaves out (0), by what the compiler targets.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QGEMM_AVX2 1
+#else
+#define QGEMM_AVX2 0
 #endif
-#if defined(__AVX512F__) && defined(QGEMM_AVX2)
+#if defined(__AVX512F__) && QGEMM_AVX2
 #define QGEMM_AVX512 1
+#else
+#define QGEMM_AVX512 0
 #endif
 
 #include "qgemm_common.h"
 
 namespace {
-
-
-
-
 
 // One product. The activations are repacked by tiles of rows: a tile of mt rows starting at row r0 lies at
 // xp + r0 * K as (K/32, mt, 32) floats, so that the rows of a block are contiguous (fixed offsets, one stream).
@@ -124,7 +125,7 @@ void tile_scalar(const Args& a, int64_t r0, int mt, int64_t n) {
 
 // ------------------------------------------------------------------------------------------------ AVX2
 
-#ifdef QGEMM_AVX2
+#if QGEMM_AVX2
 
 // A Q4_1 block's d and m (its first 4 bytes) as floats [d, m, 0, 0]: one load and one conversion.
 inline __m128 load_dm(const uint8_t* blk) {
@@ -291,13 +292,13 @@ void tile_avx2_one_pass(const Args& a, int64_t r0, int64_t n, const W& weights) 
 // One tile of mt rows against weight row n.
 template <class W>
 void dispatch_avx2(const Args& a, int64_t r0, int mt, int64_t n, const W& weights) {
-  switch (mt) {
-    case 1: return tile_avx2_one_pass<1>(a, r0, n, weights);
-    case 2: return tile_avx2_one_pass<2>(a, r0, n, weights);
-    case 3: return tile_avx2<3>(a, r0, n, weights);
-    case 4: return tile_avx2<4>(a, r0, n, weights);
-    default: return tile_avx2<5>(a, r0, n, weights);
-  }
+  with_rows<AVX2_TILE>(mt, [&](auto rows) {
+    constexpr int MT = decltype(rows)::value;
+    if constexpr (MT <= 2)
+      tile_avx2_one_pass<MT>(a, r0, n, weights);
+    else
+      tile_avx2<MT>(a, r0, n, weights);
+  });
 }
 
 // Weight row n's K weights, de-quantized as dequant_block_avx2 does, into panel.
@@ -413,21 +414,14 @@ void tile_t(const float* xt, const float* wt, int64_t KB, float* out, int64_t N,
 
 inline void dispatch_t(int mt, const float* xt, const float* wt, int64_t KB, float* out, int64_t N, int64_t r0,
                        int64_t n0, int64_t nc) {
-  switch (mt) {
-    case 1: return tile_t<1>(xt, wt, KB, out, N, r0, n0, nc);
-    case 2: return tile_t<2>(xt, wt, KB, out, N, r0, n0, nc);
-    case 3: return tile_t<3>(xt, wt, KB, out, N, r0, n0, nc);
-    case 4: return tile_t<4>(xt, wt, KB, out, N, r0, n0, nc);
-    case 5: return tile_t<5>(xt, wt, KB, out, N, r0, n0, nc);
-    default: return tile_t<6>(xt, wt, KB, out, N, r0, n0, nc);
-  }
+  with_rows<MR>(mt, [&](auto rows) { tile_t<decltype(rows)::value>(xt, wt, KB, out, N, r0, n0, nc); });
 }
 
 #endif  // QGEMM_AVX2
 
 // ------------------------------------------------------------------------------------------------ AVX-512
 
-#ifdef QGEMM_AVX512
+#if QGEMM_AVX512
 
 inline float reduce512(__m512 s_lo, __m512 s_hi) {
   const __m512 t = _mm512_add_ps(s_lo, s_hi);
@@ -512,46 +506,16 @@ void rows512(const Args& a, int64_t r0, int64_t n0, int64_t n1) {
 
 template <Fmt F>
 void dispatch512(const Args& a, int64_t r0, int mt, int64_t n0, int64_t n1) {
-  switch (mt) {
-    case 1: return rows512<F, 1>(a, r0, n0, n1);
-    case 2: return rows512<F, 2>(a, r0, n0, n1);
-    case 3: return rows512<F, 3>(a, r0, n0, n1);
-    case 4: return rows512<F, 4>(a, r0, n0, n1);
-    case 5: return rows512<F, 5>(a, r0, n0, n1);
-    default: return rows512<F, 6>(a, r0, n0, n1);
-  }
+  with_rows<AVX512_SINGLE>(mt, [&](auto rows) { rows512<F, decltype(rows)::value>(a, r0, n0, n1); });
 }
 
 #endif  // QGEMM_AVX512
 
 // ------------------------------------------------------------------------------------------------ driver
 
-Impl best_impl() {
-#if defined(QGEMM_AVX512)
-  return AVX512;
-#elif defined(QGEMM_AVX2)
-  return AVX2;
-#else
-  return SCALAR;
-#endif
-}
+constexpr Impls IMPLS{QGEMM_AVX2, QGEMM_AVX512, "avx512"};
 
-bool compiled(Impl impl) {
-  switch (impl) {
-    case SCALAR: return true;
-#ifdef QGEMM_AVX2
-    case AVX2: return true;
-#endif
-#ifdef QGEMM_AVX512
-    case AVX512: return true;
-#endif
-    default: return false;
-  }
-}
-
-constexpr int64_t N_UNIT = 16;  // weight rows a unit of the parallel split
-
-#ifdef QGEMM_AVX2
+#if QGEMM_AVX2
 // Products of at least this many rows run the register-blocked kernel (tile_t). Measured on a 2-core AMD EPYC
 // (Zen 3, AVX2), SmolLM2's products in cache against the panels above: 12 rows 0.95-1.10x the time, 16 rows
 // 0.80-1.05x, 32 rows 0.51-1.03x, 64 rows 0.42-0.90x (1 and 2 threads); a 671-token prompt reads 1.6x faster.
@@ -586,12 +550,12 @@ void run_blocked(const float* x, int64_t M, const Args& a) {
 template <Fmt F>
 void run(const float* x, int64_t M, Args a, Impl impl) {
   int single = SCALAR_TILE, tile = SCALAR_TILE;
-#ifdef QGEMM_AVX512
+#if QGEMM_AVX512
   if (impl == AVX512) single = AVX512_SINGLE, tile = AVX512_TILE;
 #endif
-#ifdef QGEMM_AVX2
+#if QGEMM_AVX2
   if (impl == AVX2 && M >= BLOCKED_MIN_ROWS) return run_blocked<F>(x, M, a);
-#ifdef QGEMM_AVX512
+#if QGEMM_AVX512
   if (impl == AVX512 && M >= BLOCKED_MIN_ROWS_AVX512) return run_blocked<F>(x, M, a);
 #endif
   // More than one tile (Q4_1) or two (Q8_0, whose blocks de-quantize in a few instructions): see PANEL_ROWS.
@@ -599,7 +563,7 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   if (impl == AVX2) single = AVX2_TILE, tile = AVX2_TILE;
 #endif
   auto tiles = row_tiles(M, single, tile);
-#ifdef QGEMM_AVX2
+#if QGEMM_AVX2
   if (impl == AVX2 && !panels && M > single) {  // full tiles first, then the rest (see PANEL_ROWS)
     tiles.clear();
     for (int64_t r0 = 0; r0 < M; r0 += tile) tiles.emplace_back(r0, static_cast<int>(std::min<int64_t>(tile, M - r0)));
@@ -608,94 +572,62 @@ void run(const float* x, int64_t M, Args a, Impl impl) {
   std::vector<float> xp(static_cast<size_t>(M * a.K));
   for (const auto& t : tiles) pack_tile(x, a.K, t.first, t.second, xp.data());
   a.xp = xp.data();
-  const int64_t units = (a.N + N_UNIT - 1) / N_UNIT;
-  // At least ~64K weight-row products a task, so that small products stay on one thread.
-  const int64_t per_unit = N_UNIT * a.K * std::max<int64_t>(M, 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_unit);
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * N_UNIT;
-    const int64_t n1 = std::min(a.N, u1 * N_UNIT);
-    switch (impl) {
-#ifdef QGEMM_AVX512
-      case AVX512: {
-        // A few weight rows at a time against every tile, so that a group's blocks stay in L1.
-        constexpr int64_t GROUP = 4;
-        for (int64_t g = n0; g < n1; g += GROUP) {
-          const int64_t g1 = std::min(n1, g + GROUP);
-          for (const auto& t : tiles) dispatch512<F>(a, t.first, t.second, g, g1);
-        }
-        break;
+#if QGEMM_AVX2
+  if (panels) {
+    return split_rows(a.N, N_UNIT, a.K, M, [&](int64_t n0, int64_t n1) {
+      std::vector<float> panel(static_cast<size_t>(PANEL_ROWS * a.K));
+      for (int64_t g = n0; g < n1; g += PANEL_ROWS) {
+        const int64_t g1 = std::min(n1, g + PANEL_ROWS);
+        for (int64_t n = g; n < g1; ++n) dequant_row_avx2<F>(a, n, panel.data() + (n - g) * a.K);
+        for (const auto& t : tiles)
+          for (int64_t n = g; n < g1; ++n)
+            dispatch_avx2(a, t.first, t.second, n, FromPanel{panel.data() + (n - g) * a.K});
       }
+    });
+  }
 #endif
-#ifdef QGEMM_AVX2
-      case AVX2:
-        if (panels) {
-          std::vector<float> panel(static_cast<size_t>(PANEL_ROWS * a.K));
-          for (int64_t g = n0; g < n1; g += PANEL_ROWS) {
-            const int64_t g1 = std::min(n1, g + PANEL_ROWS);
-            for (int64_t n = g; n < g1; ++n) dequant_row_avx2<F>(a, n, panel.data() + (n - g) * a.K);
-            for (const auto& t : tiles)
-              for (int64_t n = g; n < g1; ++n)
-                dispatch_avx2(a, t.first, t.second, n, FromPanel{panel.data() + (n - g) * a.K});
-          }
-        } else {
-          for (int64_t n = n0; n < n1; ++n)
-            for (const auto& t : tiles) dispatch_avx2(a, t.first, t.second, n, FromBlocks<F>{a.w + n * a.row_bytes});
-        }
-        break;
+  rows_by_tiles(impl, tiles, a.N, a.K, M, [&](int64_t r0, int mt, int64_t g0, int64_t g1) {
+    switch (impl) {  // AVX-512: weight rows [g0, g1); the others one row, g0
+#if QGEMM_AVX512
+      case AVX512: return dispatch512<F>(a, r0, mt, g0, g1);
 #endif
-      default:
-        for (int64_t n = n0; n < n1; ++n)
-          for (const auto& t : tiles) tile_scalar<F>(a, t.first, t.second, n);
-        break;
+#if QGEMM_AVX2
+      case AVX2: return dispatch_avx2(a, r0, mt, g0, FromBlocks<F>{a.w + g0 * a.row_bytes});
+#endif
+      default: return tile_scalar<F>(a, r0, mt, g0);
     }
   });
 }
 
-// x (M, K) float32 rows @ blocks (N, K/32, bytes of fmt) into out (M, N) on `impl`.
-void run_format(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N, float* out,
-                Impl impl) {
-  const Args a{nullptr, blocks, out, K, N, K / QK * (fmt == Q4_1 ? 20 : 34)};
-  if (fmt == Q4_1)
-    run<Q4_1>(x, M, a, impl);
-  else
-    run<Q8_0>(x, M, a, impl);
+// x (M, K) float32 rows @ blocks (N, K/32, bytes of F) into out (M, N) on `impl`.
+template <Fmt F>
+void run_format(const float* x, int64_t M, const uint8_t* blocks, int64_t K, int64_t N, float* out, Impl impl) {
+  run<F>(x, M, Args{nullptr, blocks, out, K, N, K / QK * block_bytes<F>()}, impl);
 }
 
-torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl_arg) {
-  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
-  const char* name = fmt == Q4_1 ? "q4_1_mm" : "q8_0_mm";
-  check_product_args(x, blocks, fmt, name);
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  Impl impl = impl_arg == AUTO ? best_impl() : static_cast<Impl>(impl_arg);
-  TORCH_CHECK(compiled(impl), name, ": implementation ", impl_arg, " is not compiled in this build");
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  run_format(x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), fmt, K, N, out.data_ptr<float>(), impl);
-  return out;
+torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl) {
+  return block_product(x, blocks, fmt, impl, IMPLS, "",
+                       [&](auto f, const float* xp, int64_t M, int64_t K, float* out, Impl chosen) {
+                         run_format<decltype(f)::value>(xp, M, blocks.data_ptr<uint8_t>(), K, blocks.size(0), out,
+                                                        chosen);
+                       });
 }
 
 torch::Tensor q4_1_mm(const torch::Tensor& x, const torch::Tensor& blocks) { return qmm(x, blocks, Q4_1, AUTO); }
 torch::Tensor q8_0_mm(const torch::Tensor& x, const torch::Tensor& blocks) { return qmm(x, blocks, Q8_0, AUTO); }
 
-std::vector<std::string> impls() {
-  std::vector<std::string> names{"scalar"};
-#ifdef QGEMM_AVX2
-  names.emplace_back("avx2");
-#endif
-#ifdef QGEMM_AVX512
-  names.emplace_back("avx512");
-#endif
-  return names;
-}
+std::vector<std::string> impls() { return IMPLS.names(); }
 
 }  // namespace
 
 // For the layer loop (step.cpp): x (M, K) float32 rows @ blocks (N, K/32, bytes) into out (M, N), no checks.
 void qgemm_blocks_into(const float* x, int64_t M, const uint8_t* blocks, int64_t fmt, int64_t K, int64_t N,
                        float* out) {
-  if (M > 0 && N > 0) run_format(x, M, blocks, fmt, K, N, out, best_impl());
+  if (M <= 0 || N <= 0) return;
+  if (fmt == Q4_1)
+    run_format<Q4_1>(x, M, blocks, K, N, out, IMPLS.best());
+  else
+    run_format<Q8_0>(x, M, blocks, K, N, out, IMPLS.best());
 }
 
 // For the layer loop (step.cpp): the product as `q4_1_mm` / `q8_0_mm` computes it.

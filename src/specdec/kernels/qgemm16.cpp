@@ -241,32 +241,16 @@ inline void few_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
 // NV codes in 32 registers.
 template <class F>
 void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
-  static_assert(FEW == 8, "the cases below: 1..FEW rows");
-  switch (mt) {
-    case 1: return few_panels<F, 1, 4>(a, r0, g0, g1);
-    case 2: return few_panels<F, 2, 4>(a, r0, g0, g1);
-    case 3: return few_panels<F, 3, 2>(a, r0, g0, g1);
-    case 4: return few_panels<F, 4, 2>(a, r0, g0, g1);
-    case 5: return few_panels<F, 5, 1>(a, r0, g0, g1);
-    case 6: return few_panels<F, 6, 1>(a, r0, g0, g1);
-    case 7: return few_panels<F, 7, 1>(a, r0, g0, g1);
-    default: return few_panels<F, 8, 1>(a, r0, g0, g1);
-  }
+  with_rows<FEW>(mt, [&](auto rows) {
+    constexpr int MT = decltype(rows)::value;
+    few_panels<F, MT, (MT <= 2 ? 4 : (MT <= 4 ? 2 : 1))>(a, r0, g0, g1);
+  });
 }
 
 // MT (1..FEW) rows from r0 against panel g, its codes decoded in `decoded`.
 template <class F>
 void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
-  switch (mt) {
-    case 1: return few<F, 1, 1, true>(a, r0, g, decoded);
-    case 2: return few<F, 2, 1, true>(a, r0, g, decoded);
-    case 3: return few<F, 3, 1, true>(a, r0, g, decoded);
-    case 4: return few<F, 4, 1, true>(a, r0, g, decoded);
-    case 5: return few<F, 5, 1, true>(a, r0, g, decoded);
-    case 6: return few<F, 6, 1, true>(a, r0, g, decoded);
-    case 7: return few<F, 7, 1, true>(a, r0, g, decoded);
-    default: return few<F, 8, 1, true>(a, r0, g, decoded);
-  }
+  with_rows<FEW>(mt, [&](auto rows) { few<F, decltype(rows)::value, 1, true>(a, r0, g, decoded); });
 }
 
 // Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each panel's codes
@@ -307,9 +291,7 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
   else
     prepare(0, M);
   const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), sums.data(), out, K, KB, N};
-  const int64_t count = N / PANEL_ROWS;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (PANEL_ROWS * K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, count, grain, [&](int64_t g0, int64_t g1) { panels<F>(a, M, g0, g1); });
+  split_rows(N, PANEL_ROWS, K, M, [&](int64_t n0, int64_t n1) { panels<F>(a, M, n0 / PANEL_ROWS, n1 / PANEL_ROWS); });
 }
 
 #endif  // QGEMM16
@@ -343,25 +325,14 @@ bool compiled16() {
 
 torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qmm16: Q4_1 (format 0) or Q8_0 (format 1) weights, got format ", fmt);
-  const char* name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
-  const int64_t bytes = fmt == Q4_1 ? PANEL_BLOCK : PANEL_BLOCK8;
+  const std::string name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
   TORCH_CHECK(compiled16(), name, ": this build has no AVX-512 BF16 kernel (the CPU lacks avx512_bf16)");
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), name, ": tensors must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be 2-D (M, K) and contiguous");
-  TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && panels.dim() == 3 && panels.size(2) == bytes &&
-                  panels.is_contiguous(),
-              name, ": panels must be contiguous uint8 (N/16, K/32, ", bytes, ") (qgemm.panel_",
-              fmt == Q4_1 ? "q4_1" : "q8_0", "), got ", panels.scalar_type(), " ", panels.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = panels.size(0) * PANEL_ROWS;
-  TORCH_CHECK(K % QK == 0, name, ": K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(panels.size(1) * QK == K, name, ": panels hold K = ", panels.size(1) * QK, " inputs a row, x has K = ",
-              K);
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  qgemm16_into(x.data_ptr<float>(), M, panels.data_ptr<uint8_t>(), fmt, K, N, out.data_ptr<float>());
-  return out;
+  check_product_args(x, panels, fmt == Q4_1 ? PANEL_BLOCK : PANEL_BLOCK8, name, "panels", "N/16",
+                     fmt == Q4_1 ? " (qgemm.panel_q4_1)" : " (qgemm.panel_q8_0)");
+  const int64_t N = panels.size(0) * PANEL_ROWS;
+  return product(x, N, [&](const float* xp, int64_t M, int64_t K, float* out) {
+    qgemm16_into(xp, M, panels.data_ptr<uint8_t>(), fmt, K, N, out);
+  });
 }
 
 torch::Tensor q4_1_mm16(const torch::Tensor& x, const torch::Tensor& panels) { return qmm16(x, panels, Q4_1); }

@@ -51,16 +51,19 @@
 #include <immintrin.h>
 #endif
 
+// The implementations this build compiles (1) or leaves out (0), by what the compiler targets.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QGEMM8_AVX2 1
+#else
+#define QGEMM8_AVX2 0
 #endif
-#if defined(QGEMM8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
+#if QGEMM8_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QGEMM8_VNNI 1
+#else
+#define QGEMM8_VNNI 0
 #endif
 
 namespace {
-
 
 namespace mm8 {
 
@@ -205,16 +208,33 @@ alignas(64) const uint8_t kZeros[64] = {};
 
 // ------------------------------------------------------------------------------------------------ AVX2
 
-#ifdef QGEMM8_AVX2
+#if QGEMM8_AVX2
 
-// 4x4 transposes of dwords in each 128-bit lane: B[i] lane (4p + k) = A[k] lane (4p + i).
-MM8_INLINE void transpose4(const __m256i* A, __m256i* B) {
-  const __m256i t0 = _mm256_unpacklo_epi32(A[0], A[1]), t1 = _mm256_unpackhi_epi32(A[0], A[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(A[2], A[3]), t3 = _mm256_unpackhi_epi32(A[2], A[3]);
-  B[0] = _mm256_unpacklo_epi64(t0, t2);
-  B[1] = _mm256_unpackhi_epi64(t0, t2);
-  B[2] = _mm256_unpacklo_epi64(t1, t3);
-  B[3] = _mm256_unpackhi_epi64(t1, t3);
+// The interleaving of dwords (BITS 32) or qwords (64) in each 128-bit lane, low (HI false) or high halves, of ymm
+// (V __m256i) or, with VNNI, zmm vectors.
+template <int BITS, bool HI, class V>
+MM8_INLINE V unpack(V a, V b) {
+  if constexpr (sizeof(V) == 32) {
+    if constexpr (BITS == 32) return HI ? _mm256_unpackhi_epi32(a, b) : _mm256_unpacklo_epi32(a, b);
+    else return HI ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b);
+  } else {
+    static_assert(QGEMM8_VNNI && sizeof(V) == 64, "ymm, or zmm in a VNNI build");
+#if QGEMM8_VNNI
+    if constexpr (BITS == 32) return HI ? _mm512_unpackhi_epi32(a, b) : _mm512_unpacklo_epi32(a, b);
+    else return HI ? _mm512_unpackhi_epi64(a, b) : _mm512_unpacklo_epi64(a, b);
+#endif
+  }
+}
+
+// 4x4 transposes of dwords in each 128-bit lane: B[i] lane (4p + k) = A[k] lane (4p + i) (V: __m256i or __m512i).
+template <class V>
+MM8_INLINE void transpose4(const V* A, V* B) {
+  const V t0 = unpack<32, false>(A[0], A[1]), t1 = unpack<32, true>(A[0], A[1]);
+  const V t2 = unpack<32, false>(A[2], A[3]), t3 = unpack<32, true>(A[2], A[3]);
+  B[0] = unpack<64, false>(t0, t2);
+  B[1] = unpack<64, true>(t0, t2);
+  B[2] = unpack<64, false>(t1, t3);
+  B[3] = unpack<64, true>(t1, t3);
 }
 
 MM8_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -324,27 +344,14 @@ void tile_avx2(const Args8& a, int64_t r0, int64_t n) {
 
 template <Fmt F>
 void dispatch_avx2(const Args8& a, int64_t r0, int mt, int64_t n) {
-  switch (mt) {
-    case 1: return tile_avx2<F, 1>(a, r0, n);
-    case 2: return tile_avx2<F, 2>(a, r0, n);
-    default: return tile_avx2<F, 3>(a, r0, n);
-  }
+  with_rows<AVX2_TILE>(mt, [&](auto rows) { tile_avx2<F, decltype(rows)::value>(a, r0, n); });
 }
 
 #endif  // QGEMM8_AVX2
 
 // ------------------------------------------------------------------------------------------------ AVX-512 VNNI
 
-#ifdef QGEMM8_VNNI
-
-MM8_INLINE void transpose4(const __m512i* A, __m512i* B) {
-  const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
-  B[0] = _mm512_unpacklo_epi64(t0, t2);
-  B[1] = _mm512_unpackhi_epi64(t0, t2);
-  B[2] = _mm512_unpacklo_epi64(t1, t3);
-  B[3] = _mm512_unpackhi_epi64(t1, t3);
-}
+#if QGEMM8_VNNI
 
 // Lanes l of 16 whose dword 5l + i lies in [lo, hi).
 constexpr __mmask16 lanes5(int i, int lo, int hi) {
@@ -548,13 +555,7 @@ void tile_vnni(const Args8& a, int64_t r0, int64_t n0, int64_t n1) {
       const float *dt = dx + o * CB, *st = sx + o * CB;
       const int32_t* bt = bias + o * CB;
       if constexpr (F == Q4_1) {
-        switch (nr) {
-          case 1: tail_vnni<F, MT, 1>(blk, tail, qt, dt, st, bt, acc); break;
-          case 2: tail_vnni<F, MT, 2>(blk, tail, qt, dt, st, bt, acc); break;
-          case 3: tail_vnni<F, MT, 3>(blk, tail, qt, dt, st, bt, acc); break;
-          case 4: tail_vnni<F, MT, 4>(blk, tail, qt, dt, st, bt, acc); break;
-          default: tail_vnni<F, MT, 5>(blk, tail, qt, dt, st, bt, acc); break;
-        }
+        with_rows<5>(nr, [&](auto regs) { tail_vnni<F, MT, decltype(regs)::value>(blk, tail, qt, dt, st, bt, acc); });
       } else {
         tail_vnni<F, MT, 5>(blk, tail, qt, dt, st, bt, acc);
       }
@@ -565,55 +566,22 @@ void tile_vnni(const Args8& a, int64_t r0, int64_t n0, int64_t n1) {
 
 template <Fmt F>
 void dispatch_vnni(const Args8& a, int64_t r0, int mt, int64_t n0, int64_t n1) {
-  switch (mt) {
-    case 1: return tile_vnni<F, 1>(a, r0, n0, n1);
-    case 2: return tile_vnni<F, 2>(a, r0, n0, n1);
-    case 3: return tile_vnni<F, 3>(a, r0, n0, n1);
-    case 4: return tile_vnni<F, 4>(a, r0, n0, n1);
-    case 5: return tile_vnni<F, 5>(a, r0, n0, n1);
-    case 6: return tile_vnni<F, 6>(a, r0, n0, n1);
-    case 7: return tile_vnni<F, 7>(a, r0, n0, n1);
-    case 8: return tile_vnni<F, 8>(a, r0, n0, n1);
-    default: return tile_vnni<F, 9>(a, r0, n0, n1);
-  }
+  with_rows<VNNI_TILE>(mt, [&](auto rows) { tile_vnni<F, decltype(rows)::value>(a, r0, n0, n1); });
 }
 
 #endif  // QGEMM8_VNNI
 
 // ------------------------------------------------------------------------------------------------ driver
 
-Impl best_impl() {
-#if defined(QGEMM8_VNNI)
-  return AVX512;
-#elif defined(QGEMM8_AVX2)
-  return AVX2;
-#else
-  return SCALAR;
-#endif
-}
-
-bool compiled(Impl impl) {
-  switch (impl) {
-    case SCALAR: return true;
-#ifdef QGEMM8_AVX2
-    case AVX2: return true;
-#endif
-#ifdef QGEMM8_VNNI
-    case AVX512: return true;
-#endif
-    default: return false;
-  }
-}
-
-constexpr int64_t N_UNIT = 16;  // weight rows a unit of the parallel split
+constexpr Impls IMPLS{QGEMM8_AVX2, QGEMM8_VNNI, "avx512vnni"};
 
 template <Fmt F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* w, float* out, int64_t N, Impl impl) {
   int tile = SCALAR_TILE;
-#ifdef QGEMM8_VNNI
+#if QGEMM8_VNNI
   if (impl == AVX512) tile = VNNI_TILE;
 #endif
-#ifdef QGEMM8_AVX2
+#if QGEMM8_AVX2
   if (impl == AVX2) tile = AVX2_TILE;
 #endif
   const auto tiles = row_tiles(M, tile, tile);
@@ -621,56 +589,25 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, float* out, int
   const int64_t KB = K / QK;
   const Args8 a{p.q.data(), p.dx.data(), p.sx.data(), p.bias.data(),
                 w, out, KB, (KB + CB - 1) / CB, N, KB * block_bytes<F>()};
-  const int64_t units = (N + N_UNIT - 1) / N_UNIT;
-  // At least ~64K weight-row products a task, so that small products stay on one thread.
-  const int64_t per_unit = N_UNIT * K * std::max<int64_t>(M, 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_unit);
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * N_UNIT;
-    const int64_t n1 = std::min(N, u1 * N_UNIT);
-    switch (impl) {
-#ifdef QGEMM8_VNNI
-      case AVX512: {
-        // A few weight rows at a time against every tile, so that their blocks stay in L1.
-        constexpr int64_t GROUP = 4;
-        for (int64_t g = n0; g < n1; g += GROUP) {
-          const int64_t g1 = std::min(n1, g + GROUP);
-          for (const auto& t : tiles) dispatch_vnni<F>(a, t.first, t.second, g, g1);
-        }
-        break;
-      }
+  rows_by_tiles(impl, tiles, N, K, M, [&](int64_t r0, int mt, int64_t g0, int64_t g1) {
+#if QGEMM8_VNNI
+    if (impl == AVX512) return dispatch_vnni<F>(a, r0, mt, g0, g1);
 #endif
-#ifdef QGEMM8_AVX2
-      case AVX2:
-        for (int64_t n = n0; n < n1; ++n)
-          for (const auto& t : tiles) dispatch_avx2<F>(a, t.first, t.second, n);
-        break;
+#if QGEMM8_AVX2
+    if (impl == AVX2) return dispatch_avx2<F>(a, r0, mt, g0);
 #endif
-      default:
-        for (int64_t n = n0; n < n1; ++n)
-          for (const auto& t : tiles) tile_scalar<F>(a, t.first, t.second, n);
-        break;
-    }
+    tile_scalar<F>(a, r0, mt, g0);  // one weight row a call (g1 = g0 + 1)
   });
 }
 
 }  // namespace mm8
 
-torch::Tensor qmm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl_arg) {
-  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qgemm: unknown format ", fmt, " (0: Q4_1, 1: Q8_0)");
-  const char* name = fmt == Q4_1 ? "q4_1_mm8" : "q8_0_mm8";
-  check_product_args(x, blocks, fmt, name);
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const Impl impl = impl_arg == AUTO ? mm8::best_impl() : static_cast<Impl>(impl_arg);
-  TORCH_CHECK(mm8::compiled(impl), name, ": implementation ", impl_arg, " is not compiled in this build");
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  if (fmt == Q4_1)
-    mm8::run<Q4_1>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), N, impl);
-  else
-    mm8::run<Q8_0>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), N, impl);
-  return out;
+torch::Tensor qmm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t fmt, int64_t impl) {
+  return block_product(x, blocks, fmt, impl, mm8::IMPLS, "8",
+                       [&](auto f, const float* xp, int64_t M, int64_t K, float* out, Impl chosen) {
+                         mm8::run<decltype(f)::value>(xp, M, K, blocks.data_ptr<uint8_t>(), out, blocks.size(0),
+                                                      chosen);
+                       });
 }
 
 torch::Tensor q4_1_mm8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t impl) {
@@ -700,16 +637,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(const torc
   return {q, dx, sx};
 }
 
-std::vector<std::string> impls8() {
-  std::vector<std::string> names{"scalar"};
-#ifdef QGEMM8_AVX2
-  names.emplace_back("avx2");
-#endif
-#ifdef QGEMM8_VNNI
-  names.emplace_back("avx512vnni");
-#endif
-  return names;
-}
+std::vector<std::string> impls8() { return mm8::IMPLS.names(); }
 
 }  // namespace
 

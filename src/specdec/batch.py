@@ -14,8 +14,8 @@ of a model.
   request's `target_cached` (or `draft_cached`), nothing else to roll back.
 - `Request` (`specdec.request`): one sequence and all of its state (ids, sampling settings,
   generator, K, cache slot, cache lengths, finish reason). Nothing about a request lives in
-  the engine. The prophets for rows are in `specdec.rowprophets`; any other model scores
-  rows in turn through `specdec.rows.RowsLM`.
+  the engine. The prophets draft for rows (`specdec.prophets.base.Prophet`); any other model
+  scores rows in turn through `specdec.rows.RowsLM`.
 - `BatchEngine.step(requests)`: one drafting pass, one target forward for all active rows,
   ragged verification (`specdec.ragged`), commit per row; rows that finish free their slot
   and new rows take free slots between steps. K = 0 is plain batched decoding.
@@ -47,24 +47,10 @@ from specdec.llama import BatchLlama, trim_heap
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
+from specdec.prophets.base import TREE, BatchDraft, Prophet, in_row_order, padded_q, probs_by_params
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, batch_free, keep_fused, row_prefilled, row_slot
-from specdec.rowprophets import (
-    TREE,
-    BatchDraft,
-    BatchProphet,
-    Eagle3BatchProphet,
-    FirstBatchProphet,
-    LookupBatchProphet,
-    ModelBatchProphet,
-    RowsProphet,
-    TreeBatchProphet,
-    in_row_order,
-    padded_q,
-    prefill_rows,
-    probs_by_params,
-)
-from specdec.rows import BatchLM
+from specdec.rows import BatchLM, prefill_rows
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
 from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
 
@@ -127,22 +113,20 @@ def chains(part: Any) -> Callable[[Sequence[Request], Sequence[int]], BatchDraft
 
 
 class BatchEngine:
-    def __init__(self, target: BatchLM, prophet: BatchProphet | None = None, eos_token_ids: Iterable[int] = (),
+    def __init__(self, target: BatchLM, prophet: Prophet | None = None, eos_token_ids: Iterable[int] = (),
                  tokenizer: Any = None) -> None:
-        if isinstance(prophet, ModelBatchProphet) and (prophet.lm.vocab_size != target.vocab_size
-                                                        or prophet.lm.slots != target.slots):
+        lm = prophet.draft_lm if prophet is not None else None
+        if lm is not None and (lm.vocab_size != target.vocab_size or lm.slots != target.slots):
             raise ValueError("the prophet must score the target's vocabulary and have as many slots")
         self.target, self.prophet, self.tokenizer = target, prophet, tokenizer
         # the prophets one by one (several under first, best or tree), and the draft models'
         # own slots among them (an early exit drafts in the target's)
-        self.parts: list[Any] = list(prophet.parts) if isinstance(prophet, FirstBatchProphet | TreeBatchProphet) \
-            else [prophet] if prophet is not None else []
-        self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchProphet)}
-        self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchProphet)
-                                         and p.lm is not target]
+        self.parts: list[Prophet] = list(prophet.parts) if prophet is not None else []
+        self._model_names = {p.name for p in self.parts if p.model_steps}
+        self.draft_lms: list[BatchLM] = [p.draft_lm for p in self.parts if p.draft_lm is not None
+                                         and p.draft_lm is not target]
         # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
-        self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts
-                                                   if getattr(p, "fused_layers", None)), ())
+        self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts if p.fused_layers), ())
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
         self._free = list(range(target.slots))[::-1]  # slots no request holds
@@ -364,7 +348,7 @@ class BatchEngine:
         the others (a lookup is free, a feature prophet's batched step nearly so)."""
         if self.prophet is None:
             return BatchDraft([[] for _ in active], None)
-        if isinstance(self.prophet, TreeBatchProphet):  # a tree per row: each prophet's chain of its own K
+        if self.prophet.combine == "tree":  # a tree per row: each prophet's chain of its own K
             ks = [self._draft_budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
                   for r in active]
 
@@ -380,7 +364,7 @@ class BatchEngine:
         def budget(r: Request, name: str | None = None) -> int:
             return 0 if name in skip and batch_free(r) else self._draft_budget(r, name)
 
-        if isinstance(self.prophet, FirstBatchProphet):
+        if self.prophet.combine == "first":
             if all(p.name in skip for p in self.parts) and all(batch_free(r) for r in active):
                 return BatchDraft([[] for _ in active], None)  # no prophet pays: nothing asked
             ks = [self._draft_budget(r) for r in active]
@@ -388,10 +372,10 @@ class BatchEngine:
                 BatchDraft([[] for _ in active], None)
         else:
             ks = [budget(r, self.prophet.name) for r in active]
-            if costs is not None and isinstance(self.prophet, ModelBatchProphet):  # early exit too
+            if costs is not None and self.prophet.model_steps:  # early exit too
                 ks = self._batch_cut(active, ks, self._step_k(active, ks, costs))
             draft = self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
-        if costs is not None and not isinstance(self.prophet, ModelBatchProphet) and draft.trees is None:
+        if costs is not None and not self.prophet.model_steps and draft.trees is None:
             lens = [len(t) for t in draft.tokens]
             draft = draft.cut(self._batch_cut(active, lens, self._step_k(active, lens, costs, draft.names)))
         return draft
@@ -483,8 +467,7 @@ class BatchEngine:
         for lm in self.draft_lms:
             lm.free(req.slot)
         for part in self.parts:
-            if isinstance(part, RowsProphet | Eagle3BatchProphet):
-                part.free(req.slot)
+            part.free(req.slot)
         self._free.append(req.slot)
         req.slot, req.fused = None, []
         lms = [lm for lm in (self.target, *self.draft_lms) if isinstance(lm, BatchLlama)]
@@ -685,7 +668,7 @@ class BatchEngine:
                 base = self.row_costs
             own = base.for_params(r.params.greedy).at(r.length)
             # a tree's prophets each choose their own K (per-prophet policies): each weighs its own chain
-            tree_k = isinstance(self.prophet, TreeBatchProphet) and r.policy.per_prophet  # type: ignore[union-attr]
+            tree_k = self.prophet.combine == "tree" and r.policy.per_prophet  # type: ignore[union-attr]
             r.policy.costs = own.alone() if tree_k else own  # type: ignore[union-attr]
         # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
         return self._costs[bucket].for_params(all(r.params.greedy for r in active)).at(
@@ -712,12 +695,11 @@ class BatchEngine:
 
     def _measure_at(self, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
         slots, starts, n_rows = [row_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
-        width = len(self.parts) if isinstance(self.prophet, TreeBatchProphet) else 1
+        width = len(self.parts) if self.prophet is not None and self.prophet.combine == "tree" else 1
         room = min(self.target.max_length - s for s in starts)
         sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
         for part in self.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
-            if isinstance(part, Eagle3BatchProphet):
-                part.settle(rows, leave=2)
+            part.settle(rows, leave=2)
         saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
                  for r in rows]
         features = self.prophet is not None and self.prophet.reads_features
@@ -743,22 +725,22 @@ class BatchEngine:
 
         def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
             chains(part)(rows, [k] * n_rows)
-            if not isinstance(part, LookupBatchProphet):
+            if not part.is_lookup:
                 score(1 + width * k)
 
         # Each prophet's round is timed as it runs, its drafting right after a target pass
         # (whose weights push the prophet's out of the processor's caches): alone, back to
-        # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
-        # drafting row by row (RowsProphet) reports its own cost; one with no room drafts nothing.
+        # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet with
+        # no room drafts nothing.
         # A round less its pass is a difference of two noisy times: with many rows, where the pass
         # is long, it came out 0 for an eagle (8 rows of SmolLM2: drafts counted free, taken at a
         # loss), so each drafting is also timed alone, back to back: its floor.
-        ks = {p.name: sorted({1, k}) for p in self.parts if not isinstance(p, RowsProphet)
-              and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
+        ks = {p.name: sorted({1, k}) for p in self.parts
+              if (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
         timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
         timed.update({(p.name, j): functools.partial(round_of, p, j) for p in self.parts for j in ks.get(p.name, [])})
         timed.update({(p.name, j, "alone"): functools.partial(chains(p), rows, [j] * n_rows) for p in self.parts
-                      if not isinstance(p, LookupBatchProphet) for j in ks.get(p.name, [])})
+                      if not p.is_lookup for j in ks.get(p.name, [])})
         try:
             for r in rows:
                 r.params = params
@@ -773,9 +755,9 @@ class BatchEngine:
             fresh = [None] * n_rows
             put_back()
         t_verify = monotone({n: t[n] for n in sizes})
-        per_token = {p.name: p.per_token if isinstance(p, RowsProphet) else 0.0 for p in self.parts}
+        per_token = {p.name: 0.0 for p in self.parts}
         per_call: dict[str, float] = {}
-        lookups = {p.name for p in self.parts if isinstance(p, LookupBatchProphet)}
+        lookups = {p.name for p in self.parts if p.is_lookup}
         for name, js in ks.items():
             drafting = {j: t[name, j] if name in lookups else max(t[name, j] - t[1 + width * j], t[name, j, "alone"])
                         for j in js}

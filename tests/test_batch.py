@@ -17,9 +17,11 @@ from specdec.costmodel import Costs
 from specdec.coststore import measure, measure_rows
 from specdec.llama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
+from specdec.prophets.combine import FirstProphet
+from specdec.prophets.model import ModelProphet
+from specdec.prophets.ngram import NgramProphet
 from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verify_rows_reference
 from specdec.request import Request
-from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, ModelBatchProphet, NgramBatchProphet
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
@@ -460,11 +462,11 @@ def toy_engine(prophet: str) -> tuple[BatchEngine, MarkovLM]:
     from tests.test_feature import toy_prophet
 
     target, good = markov_models()
-    parts = {"model": lambda: ModelBatchProphet(MarkovBatch(good, SLOTS)), "ngram": lambda: NgramBatchProphet(2),
-             "eagle": lambda: FeatureBatchProphet(toy_prophet(target, "eagle", (0, 1, 3))),
-             "medusa": lambda: FeatureBatchProphet(toy_prophet(target, "medusa", (0, 2, 3, 4)))}
+    parts = {"model": lambda: ModelProphet(good, rows=MarkovBatch(good, SLOTS)), "ngram": lambda: NgramProphet(2),
+             "eagle": lambda: toy_prophet(target, "eagle", (0, 1, 3)),
+             "medusa": lambda: toy_prophet(target, "medusa", (0, 2, 3, 4))}
     names = prophet.split("+")
-    d = parts[names[0]]() if len(names) == 1 else FirstBatchProphet([parts[n]() for n in names])
+    d = parts[names[0]]() if len(names) == 1 else FirstProphet([parts[n]() for n in names])
     return BatchEngine(MarkovBatch(target, SLOTS), d), target
 
 
@@ -1002,12 +1004,12 @@ def test_a_request_knows_its_length_and_context_tail_without_building_it():
 
 
 def test_prompt_lookup_in_the_loop_drafts_from_each_requests_index(tiny_pair):
-    """The wiring gives prompt lookup its batched form, which drafts from an index kept in each
-    request (`Request.lookups`); its greedy output is plain decoding's."""
+    """Prompt lookup drafts from an index kept in each request (`Request.lookups`); its greedy
+    output is plain decoding's."""
     from specdec import load
 
     decoder = load(tiny_pair["target"], draft="ngram", draft_tokens=4, policy="fixed")
-    assert type(decoder._one_loop().prophet) is NgramBatchProphet
+    assert type(decoder._one_loop().prophet) is NgramProphet
     prompt = "import os\nimport sys\nimport os\nimport sys\nimport"
     out = decoder.generate(prompt, max_new_tokens=16, temperature=0.0)
     assert out.stats.drafted > 0

@@ -13,8 +13,10 @@ from specdec.batch import BatchEngine
 from specdec.branching import FIT_RANGE, TreeBudget, draw_gains, fit_scale
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
+from specdec.prophets.base import Prophet
+from specdec.prophets.combine import FirstProphet, TreeProphet
+from specdec.prophets.ngram import NgramProphet
 from specdec.request import Request
-from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, NgramBatchProphet, TreeBatchProphet
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
@@ -66,13 +68,14 @@ def tree_engine(branches: int = 3, with_ngram: str = "") -> tuple[BatchEngine, M
     chain and the eagle's tree merged into one tree), else the eagle alone."""
     target, _ = markov_models()
     # seed 2: an eagle whose q is spread enough that independent draws often differ (wide trees)
-    eagle = FeatureBatchProphet(toy_prophet(target, "eagle", (0, 1, 3), seed=2), branches=branches)
-    prophet: object = eagle
+    rows = TreeMarkovBatch(target, SLOTS)
+    eagle = toy_prophet(target, "eagle", (0, 1, 3), seed=2).for_engine(rows, SLOTS, branches)
+    prophet: Prophet = eagle
     if with_ngram == "first":
-        prophet = FirstBatchProphet([NgramBatchProphet(2), eagle])
+        prophet = FirstProphet([NgramProphet(2), eagle])
     elif with_ngram == "tree":
-        prophet = TreeBatchProphet([NgramBatchProphet(2), eagle])
-    return BatchEngine(TreeMarkovBatch(target, SLOTS), prophet), target  # type: ignore[arg-type]
+        prophet = TreeProphet([NgramProphet(2), eagle])
+    return BatchEngine(rows, prophet), target
 
 
 @pytest.mark.parametrize("with_ngram", ["", "first", "tree"])

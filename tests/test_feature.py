@@ -9,6 +9,7 @@ from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AutoPolicy, Policy
 from specdec.prophets.feature import FeatureHead, FeatureProphet, load_head, save_head
 from specdec.prophets.ngram import NgramProphet
+from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
 
@@ -124,20 +125,24 @@ def test_an_early_exit_adapter_with_a_reduced_vocabulary_is_exact(k, settings):
 
 def test_an_identity_adapter_is_plain_early_exit(tiny_pair):
     """Zero-initialised, the adapter is the identity, and over the full vocabulary the
-    prophet's logits are the target's own early-exit logits (layerskip)."""
+    prophet's q is the one the target's own early-exit logits give (layerskip)."""
     from specdec.prophets.layerskip import AdaptedExitProphet, LayerSkipProphet
+    from specdec.request import Request
 
     dec = load(tiny_pair["target"], draft="layerskip:1")
     target = dec.target
     full = torch.arange(target.vocab_size)
     adapted = AdaptedExitProphet(target, toy_adapter(target.head().shape[1], identity=True), full, "kangaroo")
     plain_exit = LayerSkipProphet(target, 1)
-    target.forward([1, 5, 9], 1)
-    a = adapted._step([4])
-    target.end_early_exit(3)
-    b = plain_exit._step([4])
-    target.end_early_exit(3)
-    assert torch.allclose(a, b, atol=1e-4)
+    rows = target.rows.view(1)  # an engine's view of the target, one slot
+    rows.forward([0], [0], [[1, 5, 9]], [1])
+
+    def q(prophet):  # the prophet's q for the token after [1, 5, 9, 4], the row's first 3 in the slot
+        req = Request([1, 5, 9, 4], 4, SamplingParams(1.0), 1, seed=0)
+        req.slot, req.target_cached = 0, 3
+        return prophet.for_engine(rows, 1).propose([req], [1]).probs[0, 0]
+
+    assert torch.allclose(q(adapted), q(plain_exit), atol=1e-4)
 
 
 def test_a_shipped_adapter_loads_by_path_and_is_greedy_exact(tiny_pair, tmp_path):

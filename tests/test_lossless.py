@@ -69,41 +69,50 @@ def test_several_prophets_are_lossless(multi):
 
 
 class UnknownProphet:
-    """A prophet the wiring has no batched class for (as one registered by a user): it
-    drafts on the one loop through `RowsProphet`, a view of it per row."""
+    """A prophet of a kind the library does not ship (as one registered by a user): it drafts on
+    the one loop through the prophet protocol alone (here by handing the rows to a model prophet)."""
 
-    reads_features = False
+    reads_features, fused_layers, is_lookup, model_steps, combine = False, (), False, False, None
 
     def __init__(self, inner):
         self.inner, self.name, self.vocab_size = inner, "unknown", inner.vocab_size
 
-    def propose(self, context, k, params, generator, keep_drafting=None):
-        return self.inner.propose(context, k, params, generator, keep_drafting)
+    @property
+    def draft_lm(self):
+        return self.inner.draft_lm
 
-    def committed(self, context):
-        self.inner.committed(context)
+    @property
+    def parts(self):
+        return [self]
 
-    def reset(self):
-        self.inner.reset()
+    def for_engine(self, target, slots, branches=1):
+        return UnknownProphet(self.inner.for_engine(target, slots, branches))
 
-    def see_feature(self, position, feature):
-        pass
+    def room(self, req):
+        return self.inner.room(req)
 
-    def for_request(self, target):
-        return UnknownProphet(self.inner.for_request(target))
+    def prefill(self, reqs):
+        self.inner.prefill(reqs)
+
+    def propose(self, reqs, ks, budget=None):
+        return self.inner.propose(reqs, ks)
+
+    def free(self, slot):
+        self.inner.free(slot)
+
+    def settle(self, reqs, leave=0):
+        self.inner.settle(reqs, leave)
 
 
 @pytest.mark.parametrize("multi", ["first", "tree"])
-def test_a_prophet_without_a_batched_class_is_lossless_on_the_one_loop(multi):
-    from specdec.rowprophets import RowsProphet
+def test_a_prophet_of_an_unknown_kind_is_lossless_on_the_one_loop(multi):
     from specdec.wiring import engine_for
 
     target, good, bad = models()
     prophets = [UnknownProphet(ModelProphet(good))] + ([ModelProphet(bad)] if multi == "tree" else [])
     decoder = SpeculativeDecoder(target, prophets, policy=Policy(3), multi=multi)
     engine = engine_for(decoder, 2)
-    parts = getattr(engine.prophet, "parts", [engine.prophet])
-    assert isinstance(parts[0], RowsProphet)
+    assert isinstance(engine.prophet.parts[0], UnknownProphet)
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0)
     assert result.passed, result
     assert decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=1).stats.drafted > 0

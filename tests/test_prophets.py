@@ -12,9 +12,11 @@ from specdec.check import certify
 from specdec.costmodel import expected_gain
 from specdec.decoder import SpeculativeDecoder
 from specdec.policy import AdaptivePolicy, ConfidencePolicy, OptimalPolicy, Policy
+from specdec.prophets.base import BatchDraft
 from specdec.prophets.model import ModelProphet
 from specdec.prophets.ngram import NgramProphet, lookup, lookup_reference
 from specdec.prophets.retrieval import WIDTH, Datastore, RetrievalProphet
+from specdec.request import Request
 from specdec.sampling import SamplingParams, sample
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
@@ -26,6 +28,8 @@ from tests.test_hf import PROMPTS
 def test_ngram_proposes_what_followed_the_latest_match():
     ctx = np.array([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6])
     assert lookup(ctx, 3, 3, 1) == [9, 2, 5]  # "5 6" last seen before 9 2 5
+    rows = [Request(ctx.tolist(), 8, SamplingParams(0)), Request([1, 2, 3], 8, SamplingParams(0))]
+    assert NgramProphet(3, 1).propose(rows, [3, 3]) == BatchDraft([[9, 2, 5], []], None)  # each row's own lookup
     assert lookup(np.array([1, 2, 3]), 3, 3, 1) == []
     assert lookup(np.array([4, 4, 4]), 5, 2, 1) == [4]
 
@@ -63,8 +67,8 @@ def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
     store.save(tmp_path / "x.npz")
     store = Datastore.load(tmp_path / "x.npz")
     prophet = RetrievalProphet(store)
-    draft = prophet.propose([5, 1, 2], 3, SamplingParams(0), None)
-    assert draft.tokens == [3, 9, 1] and draft.probs is None
+    draft = prophet.propose([Request([5, 1, 2], 8, SamplingParams(0)), Request([7], 8, SamplingParams(0))], [3, 3])
+    assert draft.tokens == [[3, 9, 1], []] and draft.probs is None
 
 
 # ---------------------------------------------------------------- layer skip

@@ -14,8 +14,8 @@ of a model.
   request's `target_cached` (or `draft_cached`), nothing else to roll back.
 - `Request` (`specdec.request`): one sequence and all of its state (ids, sampling settings,
   generator, K, cache slot, cache lengths, finish reason). Nothing about a request lives in
-  the engine. The prophets for rows are in `specdec.rowprophets`; any other model scores
-  rows in turn through `specdec.rows.RowsLM`.
+  the engine. The prophets draft for rows (`specdec.prophets.base.Prophet`); any other model
+  scores rows in turn through `specdec.rows.RowsLM`.
 - `BatchEngine.step(requests)`: one drafting pass, one target forward for all active rows,
   ragged verification (`specdec.ragged`), commit per row; rows that finish free their slot
   and new rows take free slots between steps. K = 0 is plain batched decoding.
@@ -43,23 +43,10 @@ from specdec.llama import BatchLlama, trim_heap
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
+from specdec.prophets.base import TREE, BatchDraft, Prophet, in_row_order, padded_q, probs_by_params
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, batch_free, keep_fused, row_prefilled, row_slot
-from specdec.rowprophets import (
-    TREE,
-    BatchDraft,
-    BatchProphet,
-    Eagle3BatchProphet,
-    FirstBatchProphet,
-    ModelBatchProphet,
-    RowsProphet,
-    TreeBatchProphet,
-    in_row_order,
-    padded_q,
-    prefill_rows,
-    probs_by_params,
-)
-from specdec.rows import BatchLM
+from specdec.rows import BatchLM, prefill_rows
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
 from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
 
@@ -114,22 +101,20 @@ def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tens
 
 
 class BatchEngine:
-    def __init__(self, target: BatchLM, prophet: BatchProphet | None = None, eos_token_ids: Iterable[int] = (),
+    def __init__(self, target: BatchLM, prophet: Prophet | None = None, eos_token_ids: Iterable[int] = (),
                  tokenizer: Any = None) -> None:
-        if isinstance(prophet, ModelBatchProphet) and (prophet.lm.vocab_size != target.vocab_size
-                                                        or prophet.lm.slots != target.slots):
+        lm = prophet.draft_lm if prophet is not None else None
+        if lm is not None and (lm.vocab_size != target.vocab_size or lm.slots != target.slots):
             raise ValueError("the prophet must score the target's vocabulary and have as many slots")
         self.target, self.prophet, self.tokenizer = target, prophet, tokenizer
         # the prophets one by one (several under first, best or tree), and the draft models'
         # own slots among them (an early exit drafts in the target's)
-        self.parts: list[Any] = list(prophet.parts) if isinstance(prophet, FirstBatchProphet | TreeBatchProphet) \
-            else [prophet] if prophet is not None else []
-        self._model_names = {p.name for p in self.parts if isinstance(p, ModelBatchProphet)}
-        self.draft_lms: list[BatchLM] = [p.lm for p in self.parts if isinstance(p, ModelBatchProphet)
-                                         and p.lm is not target]
+        self.parts: list[Prophet] = list(prophet.parts) if prophet is not None else []
+        self._model_names = {p.name for p in self.parts if p.model_steps}
+        self.draft_lms: list[BatchLM] = [p.draft_lm for p in self.parts if p.draft_lm is not None
+                                         and p.draft_lm is not target]
         # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
-        self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts
-                                                   if getattr(p, "fused_layers", None)), ())
+        self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts if p.fused_layers), ())
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
         self.eos_token_ids = set(eos_token_ids)
         self.free_slots = list(range(target.slots))[::-1]  # slots no request holds
@@ -344,7 +329,7 @@ class BatchEngine:
         the others (a lookup is free, a feature prophet's batched step nearly so)."""
         if self.prophet is None:
             return BatchDraft([[] for _ in active], None)
-        if isinstance(self.prophet, TreeBatchProphet):  # a tree per row: each prophet's chain of its own K
+        if self.prophet.combine == "tree":  # a tree per row: each prophet's chain of its own K
             ks = [self.kchoice.budget(r, None if r.policy is not None and r.policy.per_prophet else TREE)
                   for r in active]
 
@@ -360,7 +345,7 @@ class BatchEngine:
         def budget(r: Request, name: str | None = None) -> int:
             return 0 if name in skip and batch_free(r) else self.kchoice.budget(r, name)
 
-        if isinstance(self.prophet, FirstBatchProphet):
+        if self.prophet.combine == "first":
             if all(p.name in skip for p in self.parts) and all(batch_free(r) for r in active):
                 return BatchDraft([[] for _ in active], None)  # no prophet pays: nothing asked
             ks = [self.kchoice.budget(r) for r in active]
@@ -368,10 +353,10 @@ class BatchEngine:
                 BatchDraft([[] for _ in active], None)
         else:
             ks = [budget(r, self.prophet.name) for r in active]
-            if costs is not None and isinstance(self.prophet, ModelBatchProphet):  # early exit too
+            if costs is not None and self.prophet.model_steps:  # early exit too
                 ks = self.kchoice.batch_cut(active, ks, self.kchoice.step_k(active, ks, costs))
             draft = self.prophet.propose(active, ks) if any(ks) else BatchDraft([[] for _ in active], None)
-        if costs is not None and not isinstance(self.prophet, ModelBatchProphet) and draft.trees is None:
+        if costs is not None and not self.prophet.model_steps and draft.trees is None:
             lens = [len(t) for t in draft.tokens]
             cut = self.kchoice.step_k(active, lens, costs, draft.names)
             draft = draft.cut(self.kchoice.batch_cut(active, lens, cut))
@@ -458,8 +443,7 @@ class BatchEngine:
         for lm in self.draft_lms:
             lm.free(req.slot)
         for part in self.parts:
-            if isinstance(part, RowsProphet | Eagle3BatchProphet):
-                part.free(req.slot)
+            part.free(req.slot)
         self.free_slots.append(req.slot)
         req.slot, req.fused = None, []
         lms = [lm for lm in (self.target, *self.draft_lms) if isinstance(lm, BatchLlama)]

@@ -30,7 +30,7 @@ from specdec.costmodel import Costs, OtherLoad, interleaved_times, monotone, rel
 from specdec.defaults import cache_dir, cpu_model
 from specdec.lm import attention_backends
 from specdec.request import TARGET, Request, row_slot
-from specdec.rowprophets import Eagle3BatchProphet, LookupBatchProphet, RowsProphet, TreeBatchProphet, prefill_rows
+from specdec.rows import prefill_rows
 from specdec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -181,12 +181,11 @@ def measure_rows(engine: Any, active: Sequence[Request], k_max: int, repeats: in
 
 def _measure_at(engine: Any, rows: Sequence[Request], k_max: int, params: SamplingParams, repeats: int) -> Costs:
     slots, starts, n_rows = [row_slot(r) for r in rows], [r.target_cached for r in rows], len(rows)
-    width = len(engine.parts) if isinstance(engine.prophet, TreeBatchProphet) else 1
+    width = len(engine.parts) if engine.prophet is not None and engine.prophet.combine == "tree" else 1
     room = min(engine.target.max_length - s for s in starts)
     sizes = [n for n in range(1, 1 + width * k_max + 1) if n <= room]
     for part in engine.parts:  # an eagle3 prophet's cache caught up but for a round's worth of slots
-        if isinstance(part, Eagle3BatchProphet):
-            part.settle(rows, leave=2)
+        part.settle(rows, leave=2)
     saved = [(r.params, r.feature, dict(r.draft_cached), r.generator.get_state(), list(r.fused), r.fused_from)
              for r in rows]
     features = engine.prophet is not None and engine.prophet.reads_features
@@ -212,22 +211,22 @@ def _measure_at(engine: Any, rows: Sequence[Request], k_max: int, params: Sampli
 
     def round_of(part: Any, k: int) -> None:  # a lookup has no weights: its drafting is timed alone
         chains(part)(rows, [k] * n_rows)
-        if not isinstance(part, LookupBatchProphet):
+        if not part.is_lookup:
             score(1 + width * k)
 
     # Each prophet's round is timed as it runs, its drafting right after a target pass
     # (whose weights push the prophet's out of the processor's caches): alone, back to
-    # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet
-    # drafting row by row (RowsProphet) reports its own cost; one with no room drafts nothing.
+    # back, an eagle's K=1 draft measured 1.0 ms against 1.6 ms inside rounds. A prophet with
+    # no room drafts nothing.
     # A round less its pass is a difference of two noisy times: with many rows, where the pass
     # is long, it came out 0 for an eagle (8 rows of SmolLM2: drafts counted free, taken at a
     # loss), so each drafting is also timed alone, back to back: its floor.
-    ks = {p.name: sorted({1, k}) for p in engine.parts if not isinstance(p, RowsProphet)
-          and (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
+    ks = {p.name: sorted({1, k}) for p in engine.parts
+          if (k := min(k_max, (room - 1) // width, *(p.room(r) for r in rows))) >= 1}
     timed: dict[Any, Callable[[], object]] = {n: functools.partial(score, n) for n in sizes}
     timed.update({(p.name, j): functools.partial(round_of, p, j) for p in engine.parts for j in ks.get(p.name, [])})
     timed.update({(p.name, j, "alone"): functools.partial(chains(p), rows, [j] * n_rows) for p in engine.parts
-                  if not isinstance(p, LookupBatchProphet) for j in ks.get(p.name, [])})
+                  if not p.is_lookup for j in ks.get(p.name, [])})
     try:
         for r in rows:
             r.params = params
@@ -243,9 +242,9 @@ def _measure_at(engine: Any, rows: Sequence[Request], k_max: int, params: Sampli
         fresh = [None] * n_rows
         put_back()
     t_verify = monotone({n: t[n] for n in sizes})
-    per_token = {p.name: p.per_token if isinstance(p, RowsProphet) else 0.0 for p in engine.parts}
+    per_token = {p.name: 0.0 for p in engine.parts}
     per_call: dict[str, float] = {}
-    lookups = {p.name for p in engine.parts if isinstance(p, LookupBatchProphet)}
+    lookups = {p.name for p in engine.parts if p.is_lookup}
     for name, js in ks.items():
         drafting = {j: t[name, j] if name in lookups else max(t[name, j] - t[1 + width * j], t[name, j, "alone"])
                     for j in js}

@@ -18,8 +18,8 @@ from typing import Any
 
 from specdec.costmodel import Costs, clamp_acceptance, expected_tokens_per_round
 from specdec.coststore import measure, measure_rows
+from specdec.prophets.base import TREE
 from specdec.request import Request, batch_free
-from specdec.rowprophets import TREE, TreeBatchProphet
 
 POOL_DECAY, POOL_MIN = 0.98, 12.0  # `KChoice.pooled`: weight of each older round; positions needed
 POOL_PROBE = 16  # a step that would skip a prophet that does not pay drafts with it anyway, every 16th
@@ -170,7 +170,7 @@ class KChoice:
                 base = self.row_costs
             own = base.for_params(r.params.greedy).at(r.length)
             # a tree's prophets each choose their own K (per-prophet policies): each weighs its own chain
-            tree_k = isinstance(self.engine.prophet, TreeBatchProphet) and r.policy.per_prophet  # type: ignore[union-attr]
+            tree_k = self.engine.prophet.combine == "tree" and r.policy.per_prophet  # type: ignore[union-attr]
             r.policy.costs = own.alone() if tree_k else own  # type: ignore[union-attr]
         # the step's own choices (its common K, which prophets to ask) weigh sampled costs if any row samples
         return self.by_bucket[bucket].for_params(all(r.params.greedy for r in active)).at(

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from specdec.lm import CausalLM
+from specdec.request import Request, keep_fused, row_cached, row_slot, set_row_cached
 
 
 class BatchLM(Protocol):
@@ -154,4 +155,35 @@ class RowsLM:
             view.keep_tree_path(0, list(path), tree_tokens)
 
 
-__all__ = ["BatchLM", "RowsLM"]
+
+def prefill_rows(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None,
+                 capture: tuple[int, ...] = ()) -> None:
+    """Feed rows' prompts but their last token (later steps then feed few tokens per row):
+    with a budget, one chunk per row, from where the row is (its length in `cache`) to
+    the next multiple of `budget` positions, for rows in order while the chunks fit `budget`
+    tokens in all (at least one row); without, every row's whole prompt. capture: target
+    layers whose outputs each row keeps for an eagle3 prophet (`Request.fused`)."""
+    feeds: list[tuple[Request, int, int]] = []
+    used = 0
+    for r in reqs:
+        done, end = row_cached(r, cache), len(r.prompt) - 1
+        if done >= end:
+            continue
+        stop = end if budget is None else min(end, (done // budget + 1) * budget)
+        if feeds and budget is not None and used + stop - done > budget:
+            break
+        feeds.append((r, done, stop))
+        used += stop - done
+    args = ([row_slot(r) for r, _, _ in feeds], [a for _, a, _ in feeds], [r.prompt[a:b] for r, a, b in feeds],
+            [0] * len(feeds))
+    if feeds and capture:
+        fused = lm.forward_fused(*args, capture=capture)[2]  # type: ignore[attr-defined]
+        for i, (r, a, b) in enumerate(feeds):
+            keep_fused(r, a, fused[i, : b - a])
+    elif feeds:
+        lm.forward(*args)
+    for r, _, b in feeds:
+        set_row_cached(r, cache, b)
+
+
+__all__ = ["BatchLM", "RowsLM", "prefill_rows"]

@@ -359,7 +359,7 @@ def _eagle3(part: str, w: Wiring) -> Prophet:
                          f"{max(cfg['layers'])} layers; '{target.name}' has {rows.embed.shape[1]} and {rows.n_layers}")
     runtime = Eagle3Runtime(net, vocab_ids, tuple(cfg["layers"]), rows.embed, target.head(),
                             rows.cos, rows.sin, 1, int4=rows.int4, name=short_name(part))
-    return Eagle3Prophet(runtime, target.vocab_size)  # type: ignore[return-value]
+    return Eagle3Prophet(runtime, target.vocab_size)
 
 
 def _model(part: str, w: Wiring) -> Prophet:
@@ -406,8 +406,7 @@ for _kind in (
 def resolve_multi(multi: str, prophets: list[Prophet]) -> str:
     """multi="auto": "first" when a feature prophet (eagle3 too) is among several, else "tree"."""
     if multi == "auto":
-        return "first" if len(prophets) > 1 and any(d.reads_features or getattr(d, "fused_layers", None)
-                                                    for d in prophets) else "tree"
+        return "first" if len(prophets) > 1 and any(d.reads_features or d.fused_layers for d in prophets) else "tree"
     return multi
 
 
@@ -440,54 +439,15 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 
 def _new_engine(decoder: Any, slots: int) -> Any:
-    from specdec.batch import BatchEngine, BatchLlama
+    from specdec.batch import BatchEngine
     from specdec.llama import FastLlamaLM, supports
-    from specdec.prophets.eagle3 import Eagle3Prophet
-    from specdec.prophets.feature import FeatureProphet
-    from specdec.prophets.layerskip import LayerSkipProphet
-    from specdec.prophets.model import ModelProphet
-    from specdec.prophets.ngram import NgramProphet
-    from specdec.prophets.retrieval import RetrievalProphet
-    from specdec.rowprophets import (
-        BatchProphet,
-        Eagle3BatchProphet,
-        EarlyExitBatchProphet,
-        FeatureBatchProphet,
-        FirstBatchProphet,
-        LookupBatchProphet,
-        ModelBatchProphet,
-        NgramBatchProphet,
-        RowsProphet,
-        TreeBatchProphet,
-    )
+    from specdec.prophets.combine import combined
     from specdec.rows import BatchLM, RowsLM
 
     lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
     # a plain Llama on the lean path scores its rows in one batched pass; any other model
     # (transformers, a toy) row by row through views of its own (specdec.rows)
     target: BatchLM = decoder.target.rows.view(slots) if lean else RowsLM(decoder.target, slots)
-    parts: list[BatchProphet] = []
-    for d in decoder.prophets:
-        if isinstance(d, NgramProphet):
-            parts.append(NgramBatchProphet(prophet=d))
-        elif isinstance(d, RetrievalProphet):
-            parts.append(LookupBatchProphet(d))
-        elif isinstance(d, LayerSkipProphet) and d.target is decoder.target:  # layerskip, kangaroo
-            parts.append(EarlyExitBatchProphet(target, d))
-        elif isinstance(d, FeatureProphet):
-            parts.append(FeatureBatchProphet(d, branches=getattr(decoder, "branches", 1)))
-        elif isinstance(d, Eagle3Prophet) and lean:
-            parts.append(Eagle3BatchProphet(d.runtime.view(slots)))
-        elif isinstance(d, ModelProphet) and isinstance(d.lm, FastLlamaLM):  # a draft model, or an int8 copy
-            parts.append(ModelBatchProphet(BatchLlama(d.lm.model, d.name, slots, decoder.target.vocab_size,
-                                                      int8=d.lm.int8, act_dtype=d.lm.act_dtype)))
-        elif isinstance(d, ModelProphet):  # any other draft model: row by row
-            parts.append(ModelBatchProphet(RowsLM(d.lm, slots), d.name))
-        else:  # a prophet registered without a batched path: row by row, a view of it per slot
-            parts.append(RowsProphet(d, decoder.target, slots))
-    prophet: BatchProphet | None = parts[0] if len(parts) == 1 else None
-    if len(parts) > 1 and decoder.multi == "tree":  # a token tree per row (feature prophets included)
-        prophet = TreeBatchProphet(parts)  # type: ignore[arg-type]
-    elif len(parts) > 1:
-        prophet = FirstBatchProphet(parts, best=decoder.multi == "best")  # type: ignore[arg-type]
-    return BatchEngine(target, prophet, decoder.eos_token_ids, decoder.tokenizer)
+    branches = getattr(decoder, "branches", 1)
+    parts = [d.for_engine(target, slots, branches) for d in decoder.prophets]
+    return BatchEngine(target, combined(parts, decoder.multi), decoder.eos_token_ids, decoder.tokenizer)

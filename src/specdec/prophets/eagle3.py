@@ -21,14 +21,21 @@ The draft vocabulary keeps q exact as for the other feature prophets (see featur
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdec.prophets.base import BatchDraft, Budget, Prophet, probs_by_params
+from specdec.request import Request, keep_drafting_rows, row_cached, row_slot, set_row_cached
+from specdec.rows import BatchLM
+from specdec.sampling import check_logits, draw
 
 KIND = "eagle3"
 
@@ -249,8 +256,6 @@ class Eagle3Runtime:
 
     def view(self, slots: int) -> Eagle3Runtime:
         """The same weights with empty caches of `slots` slots."""
-        import copy
-
         other = copy.copy(self)
         other.k_slots, other.v_slots = [None] * slots, [None] * slots
         return other
@@ -350,30 +355,119 @@ class Eagle3Runtime:
         return self.mm(rms(g, self.net.norm_out, self.net.eps), "head").float()
 
 
-class Eagle3Prophet:
-    """What the decoder holds of an eagle3 prophet: its runtime (weights and the target's
-    embedding, head and rotary tables). It drafts on the one loop only, for rows whose
-    target passes keep the fused features (`specdec.rowprophets.Eagle3BatchProphet`, one
-    runtime view per engine); nothing of a request lives here."""
-
-    reads_features = False
+class Eagle3Prophet(Prophet):
+    """The EAGLE-3-style prophet for every row: a row's true slots
+    come from the target's fused features, which every target pass (prefill chunks and
+    verification) leaves in `Request.fused` for the positions it committed; a row drafts
+    once its slots reach its last committed position but one (right after its prompt is
+    in), and each draft step is one more slot fed the layer's own output. Its cache length
+    is `Request.draft_cached[name]`, true slots only (drafted slots lie past it). q is 0
+    outside the draft vocabulary (exact, see feature.py)."""
 
     def __init__(self, runtime: Eagle3Runtime, vocab_size: int) -> None:
+        """runtime: the trained layer with the target's embedding, head and rotary tables; each
+        engine drafts through a view of it with caches for its slots (`for_engine`)."""
         self.runtime, self.name, self.vocab_size = runtime, runtime.name, vocab_size
         self.fused_layers = runtime.layers
+        self.full_vocab = int(runtime.embed.shape[0])  # the target's vocabulary, where q is placed
 
-    def see_feature(self, position: int, feature: torch.Tensor) -> None:
-        pass
+    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> Eagle3Prophet:
+        from specdec.llama import BatchLlama
 
-    def propose(self, context: Any, k: int, params: Any, generator: Any, keep_drafting: Any = None) -> Any:
-        raise ValueError(f"prophet '{self.name}' drafts on the batched Llama path only (its rows keep the "
-                         "target's fused features); use a plain Llama target such as smollm2")
+        if not isinstance(target, BatchLlama):
+            raise ValueError(f"prophet '{self.name}' drafts on the batched Llama path only (its rows keep the "
+                             "target's fused features); use a plain Llama target such as smollm2")
+        other = copy.copy(self)
+        other.runtime = self.runtime.view(slots)
+        return other
 
-    def committed(self, context: Any) -> None:
-        pass
+    def free(self, slot: int) -> None:
+        self.runtime.free(slot)
 
-    def reset(self) -> None:
-        pass
+    def _catch_up(self, reqs: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+        """Feed each row's pending true slots. Returns the rows that can draft now (their
+        slots reach len(context) - 2) and their last outputs (B', D), whose head gives d_1."""
+        ready: list[int] = []
+        slots, starts, feats, toks = [], [], [], []
+        for b, r in enumerate(reqs):
+            have = row_cached(r, self.name)
+            if not r.fused or r.fused_from != have:
+                continue  # no fresh slot to start from (it just joined, or was cut): no draft this step
+            pending = torch.cat(r.fused)
+            if have + len(pending) != r.length - 1:
+                continue
+            ready.append(b)
+            slots.append(row_slot(r))
+            starts.append(have)
+            feats.append(pending)
+            toks.append(r.context[have + 1 : have + 1 + len(pending)])
+        if not ready:
+            return ready, None
+        g = self.runtime.run(slots, starts, feats, toks, [True] * len(ready))
+        for b in ready:
+            r = reqs[b]
+            set_row_cached(r, self.name, r.length - 1)
+            r.fused, r.fused_from = [], r.length - 1
+        return ready, g
 
-    def for_request(self, target: Any) -> Eagle3Prophet:
-        return self
+    @torch.inference_mode()
+    def settle(self, reqs: Sequence[Request], leave: int = 0) -> None:
+        """Feed each row's pending true slots into its cache but the last `leave` (so that a
+        timed round catches up on as many slots as a real one does)."""
+        for r in reqs:
+            pending = torch.cat(r.fused) if r.fused else None
+            have = row_cached(r, self.name)
+            if pending is None or r.fused_from != have or len(pending) <= leave:
+                continue
+            m = len(pending) - leave
+            self.runtime.run([row_slot(r)], [have], [pending[:m]], [r.context[have + 1 : have + 1 + m]], [True])
+            set_row_cached(r, self.name, have + m)
+            r.fused, r.fused_from = [pending[m:]], have + m
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
+        rt = self.runtime
+        tokens: list[list[int]] = [[] for _ in reqs]
+        want = [b for b, k in enumerate(ks) if k > 0]
+        if not want:
+            return BatchDraft(tokens, None)
+        got, g = self._catch_up([reqs[b] for b in want])
+        rows = [want[i] for i in got]
+        if g is None:
+            return BatchDraft(tokens, None)
+        k_rows = [ks[b] for b in rows]
+        keep = keep_drafting_rows(reqs)
+        who = f"prophet '{self.name}'"
+        sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
+        probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=g.device) if sampled else None
+        for j in range(1, max(k_rows) + 1):
+            live = [i for i in range(len(rows)) if k_rows[i] >= j]
+            if j > 1:  # slot N-2+j-1 of each row still drafting: (its last output, its last draft)
+                g_live = rt.run([row_slot(reqs[rows[i]]) for i in live],
+                                [reqs[rows[i]].length - 2 + j - 1 for i in live],
+                                [g[i][None] for i in live], [[tokens[rows[i]][-1]] for i in live],
+                                [False] * len(live))
+                g = g.clone()
+                g[live] = g_live
+            sub = rt.logits(g[live])  # (B', N)
+            check_logits(sub, who)
+            picked = rt.vocab_ids[sub.argmax(-1)].tolist()
+            drawing = [n for n, i in enumerate(live) if i in sampled]
+            if drawing:
+                q = probs_by_params(sub[drawing][:, None], [reqs[rows[live[n]]] for n in drawing], who)[:, 0]
+                for m, n in enumerate(drawing):
+                    req = reqs[rows[live[n]]]
+                    picked[n] = draw(q[m], req.params, req.generator, req.length + j - 1, rt.vocab_ids,
+                                     self.full_vocab)
+                    probs[rows[live[n]], j - 1].index_copy_(-1, rt.vocab_ids, q[m].float())  # type: ignore[index]
+            for n, i in enumerate(live):
+                b = rows[i]
+                tokens[b].append(picked[n])
+                stop = keep[b]
+                if stop is not None and k_rows[i] > j:
+                    sure = probs[b, j - 1] if probs is not None and not reqs[b].params.greedy else \
+                        torch.zeros(self.full_vocab, device=g.device).index_copy_(
+                            -1, rt.vocab_ids, torch.softmax(sub[n].float(), -1))
+                    if not stop(sure):
+                        k_rows[i] = j
+        return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])

@@ -34,8 +34,13 @@ import torch
 from torch import nn
 
 from specdec import qgemm
-from specdec.prophets.base import Draft, KeepDrafting, span
-from specdec.sampling import SamplingParams, draw, logits_to_probs
+from specdec.branching import TreeBudget, draw_gains, fit_scale
+from specdec.lm import tree_depths
+from specdec.prophets.base import BatchDraft, Budget, Prophet, in_row_order, probs_by_params
+from specdec.request import Request, batch_free, keep_drafting_rows
+from specdec.rows import BatchLM
+from specdec.sampling import check_logits, draw
+from specdec.verify import DraftTree
 
 
 class ResidualMLP(nn.Module):
@@ -167,11 +172,15 @@ def is_feature_prophet(path: str) -> bool:
     return (Path(path) / "prophet.json").is_file()
 
 
-class FeatureProphet:
-    """Drafts from the target's last feature. The engine hands it the feature of the
-    position before the last committed token after each round (`see_feature`); with no
-    fresh feature (the first round, or after text was cut by a stop string) it proposes
-    nothing, and that round is a plain target step that yields one."""
+Node = tuple[int, int, torch.Tensor, int, float]  # a tree node to grow: row, node, feature before it, token, chance
+
+
+class FeatureProphet(Prophet):
+    """Eagle or medusa for every row at once. A row drafts from the target's feature at its
+    last committed position, which the previous step's verification pass left in
+    `req.feature`; a row without one (it just joined, or its text was cut) drafts nothing
+    this step, and its plain step yields one. q is 0 outside the draft vocabulary (exact,
+    see above)."""
 
     reads_features = True
 
@@ -201,14 +210,15 @@ class FeatureProphet:
         self._fused = _fused_step(self.head)
         self.name = name
         self.vocab_size: int | None = vocab_size
+        self.full_vocab = int(vocab_size)  # the width of the q the verifier reads
         self.embed = embed  # (V, D) the target's, shared
         self.vocab_ids = vocab_ids.to(embed.device)  # (N,) the draft vocabulary
         self.block_head = block_head
         # (N, D) the head's rows of the draft vocabulary, in float, unless the block rows are multiplied
         self.sub_head = None if self.block_head is not None else lm_head[vocab_ids].to(dtype).contiguous()
         self.dtype = dtype
-        self._feature: torch.Tensor | None = None
-        self._position = -1
+        # > 1: an eagle grows a token tree per row, up to this many children a node (propose_trees)
+        self.branches = 1
 
     @property
     def rows_invariant(self) -> bool:
@@ -218,19 +228,10 @@ class FeatureProphet:
         return self.block_head is not None and all(getattr(b, "products", None) is not None
                                                    for b in self.head.blocks)
 
-    def fresh(self) -> FeatureProphet:
-        """The same heads (shared, read-only) with state of its own, for another request."""
+    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> FeatureProphet:
         other = copy.copy(self)
-        other.reset()
+        other.branches = branches if self.head.kind == "eagle" else 1
         return other
-
-    def for_request(self, target: Any) -> FeatureProphet:
-        return self.fresh()
-
-    def see_feature(self, position: int, feature: torch.Tensor) -> None:
-        """feature (D,): the target's hidden state at context[position] (whose head gave
-        the distribution of context[position + 1])."""
-        self._position, self._feature = position, feature
 
     def max_k(self, k: int) -> int:
         """Medusa drafts at most one token per head."""
@@ -257,44 +258,174 @@ class FeatureProphet:
         """What a draft step's head multiplies: the block rows (an Int4Weight) or the float rows."""
         return self.block_head if self.block_head is not None else self.sub_head
 
-    def full_probs(self, q: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the draft vocabulary (..., N) placed in the full vocabulary (..., V),
-        0 at every other id: the q the verifier reads."""
-        out = torch.zeros(*q.shape[:-1], self.vocab_size or 0, device=q.device)
-        return out.index_copy_(-1, self.vocab_ids, q.float())
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
+        """Greedy rows take the argmax over the draft vocabulary (q one-hot: nothing over the
+        full vocabulary is built for them); sampled rows sample from q, kept for the verifier.
+        With branches: a token tree per row (`propose_trees`)."""
+        return self.propose_trees(reqs, ks) if self.branches > 1 else self.propose_chains(reqs, ks)
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        draft = Draft([], None, self.name)
-        if self._feature is None or self._position != len(context) - 2 or k < 1:
-            return draft
-        h0 = h = self._feature.to(self.dtype)
-        token = context[-1]
-        rows = []
+    def propose_chains(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """`propose` without branches: a chain per row (what the step costs measure per draft step)."""
+        p = self
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        if not rows:
+            return BatchDraft(tokens, None)
+        k_rows = [p.max_k(ks[b]) for b in rows]
+        keep = keep_drafting_rows(reqs)
         who = f"prophet '{self.name}'"
-        for step in range(1, self.max_k(k) + 1):
-            t0 = span()
-            h = self.guess(h, h0, token, step)
-            # q over the draft vocabulary only (it is 0 elsewhere): the same distribution as over
-            # all V ids, for less work (SmolLM2's eagle: 0.8 instead of 1.2 ms a greedy step, 0.9
-            # instead of 1.3 at temperature 1)
-            sub = self.draft_logits(h)
-            q = logits_to_probs(sub, params, who=who)
-            token = draw(q, params, generator, len(context) + step - 1, self.vocab_ids, self.vocab_size)
-            draft.step_spans.append((t0, span()))
-            draft.tokens.append(token)
-            draft.forward_calls += 1
-            if not params.greedy:  # greedy drafts are one-hot: probs None
-                rows.append(self.full_probs(q))
-            if keep_drafting is not None and not keep_drafting(
-                    self.full_probs(torch.softmax(sub.float(), -1)) if params.greedy else rows[-1]):
-                break
-        draft.probs = torch.stack(rows) if rows else None
-        return draft
+        sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
+        probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=p.embed.device) if sampled else None
+        h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
+        h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
+        # a seeded sampled row's draws must not depend on the rows beside it: where the products are not
+        # rows-invariant (torch's kernels change with the row count), such a row's guesses are computed alone
+        alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not batch_free(reqs[b])]
+        for j in range(1, max(k_rows) + 1):
+            h, sub = _guess(p, h, h0, last, j, alone)  # sub (B', N): logits over the draft vocabulary (q 0 elsewhere)
+            check_logits(sub, who)
+            picked = p.vocab_ids[sub.argmax(-1)].tolist()  # a greedy row's token
+            drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
+            if drawing:  # generator's draws never depend on how long the rows beside it draft
+                q = probs_by_params(sub[drawing][:, None], [reqs[rows[i]] for i in drawing], who)[:, 0]  # (B_s, N)
+                for n, i in enumerate(drawing):
+                    req = reqs[rows[i]]
+                    picked[i] = draw(q[n], req.params, req.generator, req.length + j - 1, p.vocab_ids,
+                                     self.full_vocab)
+                    # q placed in the full vocabulary where the verifier reads it (0 elsewhere: the tensor's zeros)
+                    probs[rows[i], j - 1].index_copy_(-1, p.vocab_ids, q[n].float())  # type: ignore[index]
+            for i, b in enumerate(rows):
+                if k_rows[i] >= j:
+                    tokens[b].append(picked[i])
+                    stop = keep[b]
+                    if stop is not None and k_rows[i] > j:
+                        sure = probs[b, j - 1] if probs is not None and not reqs[b].params.greedy else \
+                            torch.softmax(sub[i].float(), -1)
+                        if not stop(sure):
+                            k_rows[i] = j  # the confidence policy's early stop: this row drafts no further
+            last = torch.tensor(picked, device=h0.device)
+        return BatchDraft(tokens, probs, one_hot=[r.params.greedy for r in reqs])
 
-    def committed(self, context: Sequence[int]) -> None:
-        pass
+    @torch.inference_mode()
+    def propose_trees(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
+        """A token tree per row, grown depth by depth up to the row's K (EAGLE-2's dynamic
+        trees; `specdec.branching` says how far): where the target's choice is deterministic
+        (greedy or coupled rows) each kept node offers its q's top `branches` tokens (one-hot
+        proposals, exact whatever is chosen); where the row samples, up to `branches`
+        independent draws from q, each kept with its q (recursive rejection sampling: exact as
+        long as no drawn child is dropped). The first node is always drafted (the row's policy
+        chose to draft); every other joins while it pays by the row's costs."""
+        p = self
+        who = f"prophet '{self.name}'"
+        trees = [DraftTree() for _ in reqs]
+        chains: list[dict[str, list[int]]] = [{} for _ in reqs]
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        budgets = {b: TreeBudget(_row_costs(reqs[b]), self.name) for b in rows}
+        scale = {b: fit_scale(reqs[b].tree_fit) for b in rows}
+        # the nodes to expand (row, node, the feature guessed before it, its token, its chance)
+        frontier = [(b, -1, reqs[b].feature.to(p.dtype), reqs[b].context[-1], 1.0) for b in rows]  # type: ignore[union-attr]
+        depth = 0
+        while frontier:
+            depth += 1
+            h = torch.stack([f[2] for f in frontier])
+            last = torch.tensor([f[3] for f in frontier], device=h.device)
+            # a seeded sampled row's nodes each computed alone where products are not rows-invariant
+            alone = [] if p.rows_invariant else [i for i, f in enumerate(frontier) if not batch_free(reqs[f[0]])]
+            g, sub = _guess(p, h, h, last, depth, alone)
+            check_logits(sub, who)
+            grown: list[Node] = []
+            for b in dict.fromkeys(f[0] for f in frontier):
+                grown += self._grow_row(reqs[b], trees[b], budgets[b], scale[b], b, depth, frontier, g, sub)
+            # the next depth expands each row's likeliest new nodes (at most `branches`), within its K,
+            # unless even a sure child of its likeliest could not pay for the drafting step (then none is drafted)
+            frontier = []
+            for b in dict.fromkeys(f[0] for f in grown):
+                best = sorted((f for f in grown if f[0] == b), key=lambda f: -f[4])[: self.branches]
+                if depth < ks[b] and budgets[b].pays(best[0][4], new_step=True):
+                    frontier += best
+        for b in rows:
+            tree = trees[b]
+            tree.expected = budgets[b].expected
+            if tree.tokens:  # its longest path: what the row's policy counts as drafted
+                depths = tree_depths(tree.parents)
+                deepest = max(range(len(tree.tokens)), key=lambda n: (depths[n], -n))
+                path: list[int] = []
+                while deepest >= 0:
+                    path.insert(0, tree.tokens[deepest])
+                    deepest = tree.parents[deepest]
+                chains[b][self.name] = path
+        names: list[str | None] = [self.name if trees[b].tokens else None for b in range(len(reqs))]
+        return BatchDraft([[] for _ in reqs], None, names, trees=trees, chains=chains)
 
-    def reset(self) -> None:
-        self._feature, self._position = None, -1
+    def _grow_row(self, req: Request, tree: DraftTree, budget: TreeBudget, scale: float, b: int, depth: int,
+                  frontier: Sequence[Node], g: torch.Tensor,
+                  sub: torch.Tensor) -> list[Node]:
+        """One depth of one row's tree: the children its frontier nodes offer, in order of chance,
+        while they pay. Returns the new nodes (as frontier entries)."""
+        p, width = self, self.branches
+        mine = sorted((i for i, f in enumerate(frontier) if f[0] == b), key=lambda i: -frontier[i][4])
+        deterministic = req.params.greedy or req.params.coupled is not None
+        q_all = torch.softmax(sub[mine].float(), -1) if req.params.greedy else \
+            probs_by_params(sub[mine][:, None], [req] * len(mine), f"prophet '{self.name}'")[:, 0]
+        new: list[Node] = []
+        first_here = True
+        if deterministic:  # every node's top tokens, likeliest first across the depth
+            offers = []
+            for n, i in enumerate(mine):
+                conf, idx = q_all[n].topk(min(width, q_all.shape[-1]))
+                for c, j in zip(conf.tolist(), idx.tolist(), strict=True):
+                    offers.append((frontier[i][4] * min(1.0, scale * c), i, int(p.vocab_ids[j])))
+            for s, i, token in sorted(offers, key=lambda o: -o[0]):
+                if tree.tokens and not budget.pays(s, new_step=first_here):
+                    break
+                node = tree.child(frontier[i][1], token)
+                tree.proposals.append((frontier[i][1], node, None, self.name))
+                budget.add(s, new_step=first_here)
+                first_here = False
+                new.append((b, node, g[i], token, s))
+            return new
+        for n, i in enumerate(mine):  # a sampled row: draws from each node's q while they pay
+            q = q_all[n]
+            q_full = torch.zeros(self.full_vocab, device=q.device)
+            q_full.index_copy_(-1, p.vocab_ids, q.float())
+            for gain, fresh in draw_gains(q, width):
+                s = frontier[i][4] * min(1.0, scale * gain)
+                if tree.tokens and not budget.pays(s, new_step=first_here, nodes=fresh):
+                    break
+                token = draw(q, req.params, req.generator, req.length + depth - 1, p.vocab_ids, self.full_vocab)
+                known = len(tree.tokens)
+                node = tree.child(frontier[i][1], token)
+                tree.proposals.append((frontier[i][1], node, q_full, self.name))
+                budget.add(s, new_step=first_here, node=node == known)  # a repeated draw: no new node
+                first_here = False
+                if node == known:  # a token not drawn here before: a node to score and grow
+                    new.append((b, node, g[i], token, frontier[i][4] * min(1.0, scale * _q_of(q, p.vocab_ids, token))))
+        return new
+
+
+def _q_of(q: torch.Tensor, ids: torch.Tensor, token: int) -> float:
+    """q's probability (over the draft vocabulary `ids`) of a full-vocabulary token."""
+    where = (ids == token).nonzero()
+    return float(q[where[0, 0]]) if len(where) else 0.0
+
+
+def _row_costs(req: Request) -> Any:
+    """The costs a row's policy weighs (set by the engine each step), or None."""
+    return getattr(req.policy, "costs", None) if req.policy is not None else None
+
+
+def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Tensor, j: int,
+           alone: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft step j's guessed features and draft-vocabulary logits for every row, the rows `alone`
+    each computed by itself (as it would be in a batch of one), the others together."""
+    if not alone:
+        g = p.guess(h, h0, last, j)
+        return g, p.draft_logits(g)
+    single = set(alone)
+    together = [i for i in range(h.shape[0]) if i not in single]
+    parts = ([together] if together else []) + [[i] for i in alone]
+    gs = [p.guess(h[part], h0[part], last[part], j) for part in parts]
+    rows = [i for part in parts for i in part]
+    return in_row_order(rows, gs), in_row_order(rows, [p.draft_logits(x) for x in gs])

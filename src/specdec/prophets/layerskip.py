@@ -1,10 +1,10 @@
-"""Self-speculation by early exit: the target drafts for itself with only its first L
-layers and its own final norm and head. No second model.
+"""Self-speculation by early exit: the target drafts for its own rows with only its first L
+layers and its own final norm and head (layerskip), or through a trained adapter after them
+(kangaroo, `AdaptedExitProphet`). No second model, no cache of its own.
 
-The prophet shares the target's KV cache: layers 0..L-1 already hold the committed prefix,
-so drafting never re-reads the prompt. The target's `early_exit` writes the draft's entries
-past the committed tokens and `end_early_exit` drops them before the target verifies,
-which keeps the cache invariant (see lm.py and llama.py for the two cache kinds).
+It reads and writes the rows' own target slots: those layers' entries for the drafted
+positions sit past each row's committed tokens, where the verification pass overwrites
+them; the row's cached length never moves while drafting.
 """
 
 from __future__ import annotations
@@ -15,52 +15,45 @@ from typing import Any
 
 import torch
 
-from specdec.lm import sync
-from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
 from specdec.prophets.feature import FeatureHead, full_vocab_logits
-from specdec.sampling import SamplingParams
+from specdec.prophets.model import ModelSteps
+from specdec.request import Request
+from specdec.rows import BatchLM
 
 
-class LayerSkipProphet(FeatureBlind):
+class LayerSkipProphet(ModelSteps):
     def __init__(self, target: Any, layers: int) -> None:
         full = target.n_layers
         if not 1 <= layers < full:
             raise ValueError(f"layerskip:L needs 1 <= L < {full} (the target's layers), got {layers}")
-        self.target = target  # HFCausalLM or FastLlamaLM: both implement early_exit
+        self.target = target  # the decoder's target (a CausalLM)
         self.layers = layers
         self.name = f"layerskip:{layers}"
         self.vocab_size: int | None = target.vocab_size
+        self.target_rows: BatchLM | None = None  # an engine's view of the target (for_engine)
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        k = min(k, self.target.max_length - len(context) + 1)
-        feed = sync(self.target, context)
-        base = len(self.target.tokens)
-        calls0 = self.target.forward_calls
-        try:
-            draft = draft_autoregressively(self._step, feed, k, self.name, params, generator, keep_drafting,
-                                           len(context))
-        finally:
-            self.target.end_early_exit(base)
-        draft.forward_calls = self.target.forward_calls - calls0
-        self.target.forward_calls = calls0  # drafting passes are not target calls
-        return draft
-
-    def _step(self, ids: list[int]) -> torch.Tensor:
-        """ids through the first L layers; logits (V,) of the last."""
-        return self.target.early_exit(ids, self.layers)
-
-    def committed(self, context: Sequence[int]) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def for_request(self, target: Any) -> LayerSkipProphet:
-        """Early exit through the request's own view of the target (its cache)."""
+    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> LayerSkipProphet:
         other = copy.copy(self)
-        other.target = target
+        other.target_rows = target
         return other
+
+    @property
+    def rows(self) -> BatchLM:
+        assert self.target_rows is not None, "a decoder's prophet drafts through its engine's view (for_engine)"
+        return self.target_rows
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        pass  # the rows' target slots are its cache
+
+    def _cached(self, req: Request) -> int:
+        return req.target_cached
+
+    def _fed(self, req: Request, n: int) -> None:
+        pass  # provisional entries: the target's cached length stays at the committed tokens
+
+    @torch.inference_mode()
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        return self.rows.forward_features(slots, starts, feeds, [1] * len(slots), layers=self.layers)[0][:, 0]
 
 
 class AdaptedExitProphet(LayerSkipProphet):
@@ -80,10 +73,12 @@ class AdaptedExitProphet(LayerSkipProphet):
         self.sub_head = target.head()[vocab_ids].detach().to(dtype).contiguous()  # (N, D)
         self.dtype = dtype
 
-    def _step(self, ids: list[int]) -> torch.Tensor:
-        feature = self.target.early_exit_features(ids, self.layers)[0]
-        sub = (self.adapter.adapt(feature.to(self.dtype)) @ self.sub_head.T).float()
-        return full_vocab_logits(sub, self.vocab_ids, self.vocab_size or 0)
+    @torch.inference_mode()
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        _, feature = self.rows.forward_features(slots, starts, feeds, [1] * len(slots), layers=self.layers,
+                                                head=False)
+        sub = (self.adapter.adapt(feature[:, 0].to(self.dtype)) @ self.sub_head.T).float()  # (B', N)
+        return full_vocab_logits(sub, self.vocab_ids, self.vocab_size or 0)  # (B', V)
 
 
 @torch.inference_mode()

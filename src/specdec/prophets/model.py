@@ -1,41 +1,99 @@
-"""A small language model as the prophet: drafts autoregressively with its own KV cache."""
+"""A small language model as the prophet: drafts autoregressively for every row at once, each
+row up to its own K, in cache slots of its own (a row's length there is
+`Request.draft_cached[name]`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from specdec.lm import CausalLM, sync
-from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, draft_autoregressively
-from specdec.sampling import SamplingParams
+from specdec.lm import CausalLM
+from specdec.prophets.base import BatchDraft, Budget, Prophet, probs_by_params
+from specdec.request import Request, keep_drafting_rows, row_cached, row_slot
+from specdec.rows import BatchLM, RowsLM, prefill_rows
+from specdec.sampling import draw
 
 
-class ModelProphet(FeatureBlind):
-    def __init__(self, lm: CausalLM, name: str | None = None) -> None:
+class ModelSteps(Prophet):
+    """Drafting token by token with a model for every row at once, each row up to its own K:
+    each step is one pass of `rows` over every row still drafting, in the rows' own slots of
+    its cache (their lengths in `Request.draft_cached[name]`)."""
+
+    model_steps = True
+    name: str
+
+    @property
+    def rows(self) -> BatchLM:
+        """The model the rows draft with."""
+        raise NotImplementedError
+
+    def room(self, req: Request) -> int:
+        return self.rows.max_length - req.length + 1  # it scores positions up to len + k - 2
+
+    def prefill(self, reqs: Sequence[Request]) -> None:
+        prefill_rows(self.rows, reqs, self.name)
+
+    def _cached(self, req: Request) -> int:
+        """Positions of the row's context already in the prophet's cache (drafting starts there)."""
+        return row_cached(req, self.name)
+
+    def _fed(self, req: Request, n: int) -> None:
+        req.draft_cached[self.name] = self._cached(req) + n  # its own cache keeps what it read
+
+    def _logits(self, slots: list[int], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """One drafting step for these rows: logits (B', V) after each row's feed."""
+        return self.rows.forward(slots, starts, feeds, [1] * len(slots))[:, 0]
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs = torch.zeros(len(reqs), max(ks), self.rows.vocab_size, device=self.rows.device)  # (B, K, V)
+        at = {b: self._cached(reqs[b]) for b, k in enumerate(ks) if k > 0}
+        feeds = {b: reqs[b].context[at[b]:] for b in at}
+        keep = keep_drafting_rows(reqs)
+        ks = list(ks)
+        for j in range(max(ks)):
+            live = [b for b in feeds if ks[b] > j]
+            if not live:
+                break
+            logits = self._logits([row_slot(reqs[b]) for b in live], [at[b] for b in live],
+                                  [feeds[b] for b in live])  # (B_live, V)
+            q = probs_by_params(logits[:, None], [reqs[b] for b in live], f"prophet '{self.name}'")[:, 0]
+            probs[live, j] = q
+            greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot
+            for i, b in enumerate(live):
+                req = reqs[b]
+                at[b] += len(feeds[b])
+                self._fed(req, len(feeds[b]))
+                token = greedy[i] if req.params.greedy else draw(q[i], req.params, req.generator,
+                                                                    req.length + j)
+                feeds[b] = [token]
+                tokens[b].append(token)
+                stop = keep[b]
+                if stop is not None and not stop(torch.softmax(logits[i], -1) if req.params.greedy else q[i]):
+                    ks[b] = j + 1  # the confidence policy's early stop: this row drafts no further
+        return BatchDraft(tokens, probs)
+
+
+class ModelProphet(ModelSteps):
+    """lm: the model (one sequence); its batched view with an engine's slots (`draft_lm`) is
+    made by `for_engine`: the lean Llama path's `BatchLlama` where lm is on it, else a view per slot."""
+
+    def __init__(self, lm: CausalLM, name: str | None = None, rows: BatchLM | None = None) -> None:
         self.lm = lm
         self.name = name or lm.name
         self.vocab_size: int | None = lm.vocab_size
+        self.draft_lm = rows
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        # Room in the prophet's own context: it scores positions up to len(context) + k - 2.
-        k = min(k, self.lm.max_length - len(context) + 1)
-        # The first step feeds every committed token the cache lacks (one, or two after a
-        # bonus token), so the cache catches up without re-running what it has seen.
-        feed = sync(self.lm, context)
-        calls0 = self.lm.forward_calls
-        draft = draft_autoregressively(lambda ids: self.lm.forward(ids, 1)[0], feed, k, self.name, params,
-                                       generator, keep_drafting, len(context))
-        draft.forward_calls = self.lm.forward_calls - calls0
-        return draft
+    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> ModelProphet:
+        from specdec.llama import BatchLlama, FastLlamaLM
 
-    def committed(self, context: Sequence[int]) -> None:
-        sync(self.lm, context)
+        lm = self.lm
+        rows: BatchLM = BatchLlama(lm.model, self.name, slots, target.vocab_size, int8=lm.int8,
+                                   act_dtype=lm.act_dtype) if isinstance(lm, FastLlamaLM) else RowsLM(lm, slots)
+        return ModelProphet(lm, self.name, rows)
 
-    def for_request(self, target: Any) -> ModelProphet:
-        return ModelProphet(self.lm.fresh(), self.name)  # its own cache over the same weights
-
-    def reset(self) -> None:
-        self.lm.truncate(0)
+    @property
+    def rows(self) -> BatchLM:
+        assert self.draft_lm is not None, "a decoder's prophet drafts through its engine's view (for_engine)"
+        return self.draft_lm

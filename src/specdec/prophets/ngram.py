@@ -1,17 +1,18 @@
 """Prompt lookup: no model. Match the last n tokens (n from n_max down to n_min) against the
 prompt and the text generated so far, and propose what followed the latest match.
-Deterministic: q is one-hot, which the verifier handles exactly."""
+Deterministic: q is one-hot, which the verifier handles exactly. Each row drafts from its
+request's own index of its context (`NgramIndex`, kept in `Request.lookups` under the
+prophet's name), never scanning the context every step."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, span
-from specdec.sampling import SamplingParams
+from specdec.prophets.base import BatchDraft, Budget, Prophet
+from specdec.request import Request
 
 
 def lookup(context: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
@@ -85,8 +86,8 @@ class NgramIndex:
         return []
 
 
-class NgramProphet(FeatureBlind):
-    vocab_size: int | None = None
+class NgramProphet(Prophet):
+    is_lookup = True
 
     # A one-token match predicts little in real text (measured on SmolLM2's answers: acceptance
     # 0.02) and each failed draft costs a longer verification pass, so matches start at 2.
@@ -95,14 +96,13 @@ class NgramProphet(FeatureBlind):
             raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_max, self.n_min, self.name = n_max, n_min, name
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        t0 = span()
-        tokens = lookup(np.asarray(context, dtype=np.int64), k, self.n_max, self.n_min)
-        return Draft(tokens, None, self.name, [(t0, span())] if tokens else [], forward_calls=0)
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
+        """Each row's `lookup(context, k, n_max, n_min)`, from its index."""
+        return BatchDraft([self._index(r).propose(r.prompt, r.generated, k) if k else []
+                           for r, k in zip(reqs, ks, strict=True)], None)
 
-    def committed(self, context: Sequence[int]) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
+    def _index(self, req: Request) -> NgramIndex:
+        index = req.lookups.get(self.name)
+        if not isinstance(index, NgramIndex):
+            index = req.lookups[self.name] = NgramIndex(self.n_max, self.n_min)
+        return index

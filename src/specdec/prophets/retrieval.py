@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from specdec.defaults import cache_dir
-from specdec.prophets.base import Draft, FeatureBlind, KeepDrafting, span
-from specdec.sampling import SamplingParams
+from specdec.prophets.base import BatchDraft, Budget, Prophet
+from specdec.request import Request
 
 WIDTH = 8  # tokens the suffix array is sorted by; longer matches are not distinguished
 HALF = WIDTH // 2
@@ -104,8 +103,8 @@ class Datastore:
         return int(values[best]), int(counts[best])
 
 
-class RetrievalProphet(FeatureBlind):
-    vocab_size: int | None = None
+class RetrievalProphet(Prophet):
+    is_lookup = True
 
     def __init__(self, store: Datastore, min_match: int = 2, min_count: int = 1, name: str = "retrieval") -> None:
         self.store, self.min_match, self.min_count, self.name = store, min_match, min_count, name
@@ -118,9 +117,8 @@ class RetrievalProphet(FeatureBlind):
                 return pattern
         return []
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None, keep_drafting: KeepDrafting | None = None) -> Draft:
-        t0 = span()
+    def lookup(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens continuing the context's longest match in the datastore."""
         pattern = self._longest_match(context)
         tokens: list[int] = []
         while pattern and len(tokens) < k:
@@ -130,14 +128,10 @@ class RetrievalProphet(FeatureBlind):
                 break
             tokens.append(token)
             pattern = (pattern + [token])[-WIDTH:]
-        return Draft(tokens, None, self.name, [(t0, span())] if tokens else [], forward_calls=0)
+        return tokens
 
-    def committed(self, context: Sequence[int]) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
+        return BatchDraft([self.lookup(r.context, k) if k else [] for r, k in zip(reqs, ks, strict=True)], None)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -567,7 +567,7 @@ def test_auto_rows_stop_drafting_when_no_k_pays_and_stay_greedy_equal(tiny_pair,
     auto = [Request(r.prompt, 16, SamplingParams(0.0), 4, policy=AutoPolicy(4)) for r in
             mixed_requests(engine.target.vocab_size)[:4]]
     measured.generate(auto)  # costs measured on the rows themselves, at this batch size
-    assert 4 in measured._costs
+    assert 4 in measured.kchoice.by_bucket
     for r in auto:
         assert r.generated == plain_tiny.generate(r.prompt, max_new_tokens=16, temperature=0).token_ids
 
@@ -843,7 +843,7 @@ def test_seeded_sampled_rows_keep_request_costs_and_the_others_follow_the_batch(
 def test_batched_step_costs_are_measured_once_per_machine_and_stored(tiny_pair, tmp_path, monkeypatch):
     """The costs of a step of each batch-size bucket are stored with the decoder's own stored
     costs: a decoder loaded again (another process) reads them and never measures again."""
-    from specdec.batch import BatchEngine
+    import specdec.kchoice as kchoice
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     prompts = ["def main():", "import os\n", "class A:", "x = ["]
@@ -854,7 +854,7 @@ def test_batched_step_costs_are_measured_once_per_machine_and_stored(tiny_pair, 
 
     run()
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) >= 2  # the decoder's, and bucket 4's at least
-    monkeypatch.setattr(BatchEngine, "_measure", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(kchoice, "measure_rows", lambda *a, **k: pytest.fail("measured again"))
     run()
 
 

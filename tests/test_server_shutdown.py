@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from specdec.defaults import bundled_prophet, bundled_target
 from tests.server_fixtures import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 SHUTDOWN_TIMEOUT = 3.0
 MAX_BATCH = 6
 STREAMS = 14  # MAX_BATCH run; the others wait in the queue
@@ -22,7 +22,7 @@ STREAMS = 14  # MAX_BATCH run; the others wait in the queue
 
 @pytest.fixture
 def proc(tmp_path):
-    target, prophet = ROOT / "models" / "target", ROOT / "models" / "prophet"
+    target, prophet = Path(bundled_target()), Path(bundled_prophet())
     if not (target / "model.safetensors").exists() or not (prophet / "model.safetensors").exists():
         pytest.skip("the bundled models are not here")
     args = ["--target", str(target), "--draft", str(prophet), "--policy", "fixed", "-k", "3",

@@ -359,9 +359,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from specdec.defaults import shipped
     from specdec.train.pipeline import load_config, prepare, train_target
 
-    cfg = load_config(Path(args.config))
+    cfg = load_config(Path(shipped(args.config)))
     work = Path(args.work_dir)
     prepare(cfg, work, Path(args.corpus_root) if args.corpus_root else None)
     train_target(cfg, work, Path(args.out), minutes=args.minutes, max_steps=args.max_steps)
@@ -369,9 +370,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    from specdec.defaults import shipped
     from specdec.train.pipeline import distill, load_config
 
-    cfg = load_config(Path(args.config))
+    cfg = load_config(Path(shipped(args.config)))
     if "paths" in cfg:  # prophets for a real target (configs/smollm2.toml): self-distillation + feature heads
         from specdec.train.smollm2 import run
 
@@ -379,7 +381,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             models_dir=Path(args.models_dir) if args.models_dir else None, only=args.only,
             max_steps=args.max_steps, data_minutes=args.data_minutes, train_minutes=args.distill_minutes)
         return 0
-    distill(cfg, Path(args.work_dir or ".cache/bundled"), Path(args.target), Path(args.out),
+    distill(cfg, Path(args.work_dir or ".cache/bundled"), Path(shipped(args.target)), Path(args.out),
             data_out_dir=Path(args.data_out) if args.data_out else None, data_minutes=args.data_minutes,
             distill_minutes=args.distill_minutes, max_steps=args.max_steps)
     return 0
@@ -530,21 +532,24 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     t = sub.add_parser("train", help="train the tokenizer and the target on the stdlib corpus")
-    t.add_argument("--config", default="configs/bundled.toml")
+    t.add_argument("--config", default="configs/bundled.toml",
+                   help="a config file (configs/NAME.toml: a shipped one, unless that path exists here)")
     t.add_argument("--work-dir", default=".cache/bundled")
-    t.add_argument("--out", default="models/target")
+    t.add_argument("--out", default="models/target", help="where the target is written (under this directory)")
     t.add_argument("--corpus-root", default=None, help="corpus directory (default: this Python's stdlib)")
     t.add_argument("--minutes", type=float, default=None, help="override the config's training time")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("distill", help="train the prophet on the data, then distill it from a target")
-    d.add_argument("--config", default="configs/bundled.toml")
+    d.add_argument("--config", default="configs/bundled.toml",
+                   help="a config file (configs/NAME.toml: a shipped one, unless that path exists here)")
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
     d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")
-    d.add_argument("--target", default="models/target")
-    d.add_argument("--out", default="models/prophet")
+    d.add_argument("--target", default="models/target",
+                   help="the target to distill from (models/target: `specdec train`'s, else the shipped one)")
+    d.add_argument("--out", default="models/prophet", help="where the prophet is written (under this directory)")
     d.add_argument("--data-out", default=None, help="also save the data-only prophet here")
     d.add_argument("--data-minutes", type=float, default=None)
     d.add_argument("--distill-minutes", type=float, default=None)

@@ -1,7 +1,7 @@
 """Defaults in one place: which target a command loads when none is named, where the
-shipped models live (models/ in the repository, or $SPECDEC_MODELS), which prophet each
-target gets, and the sampling settings every entry point (CLI, Python API, server) uses
-when a request does not say.
+shipped models and configs live (package data: specdec/models, or $SPECDEC_MODELS, and
+specdec/configs), which prophet each target gets, and the sampling settings every entry
+point (CLI, Python API, server) uses when a request does not say.
 
 The rule for sampling defaults, the same in `specdec generate`, `load().generate` and the
 server: temperature 1.0 and top-p 1.0 (the target's own distribution, as OpenAI's API
@@ -81,10 +81,35 @@ def cache_dir() -> Path:
 
 
 def models_dir() -> Path:
+    """The shipped models (the bundled pair, SmolLM2's prophets): the package's models/ folder,
+    or $SPECDEC_MODELS. Read only: training and evaluation write where their caller says."""
     env = os.environ.get("SPECDEC_MODELS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "models"
+    return Path(__file__).resolve().parent / "models"
+
+
+def configs_dir() -> Path:
+    """The shipped training configs (bundled.toml, smollm2.toml): the package's configs/ folder."""
+    return Path(__file__).resolve().parent / "configs"
+
+
+def shipped(path: str) -> str:
+    """`path` where it exists or does not start with models/ or configs/; else the shipped file
+    it names ("models/smollm2-eagle" -> models_dir() / "smollm2-eagle", "configs/smollm2.toml"
+    -> configs_dir() / "smollm2.toml") where that exists. "models/..." is how pages and reports
+    name the shipped models (`display_name`), so the names specdec prints are names it reads,
+    from a checkout or an installed wheel alike; a path that exists under the working directory
+    wins."""
+    if Path(path).expanduser().exists():
+        return path
+    head, sep, rest = path.replace(os.sep, "/").partition("/")
+    folders = {"models": models_dir, "configs": configs_dir}
+    if sep and rest and head in folders:
+        candidate = folders[head]() / rest
+        if candidate.exists():
+            return str(candidate)
+    return path
 
 
 def default_target() -> str:
@@ -101,15 +126,16 @@ def bundled_prophet() -> str:
 
 
 def resolve_bundled(name: str) -> str:
-    """The bundled target's directory for the name "bundled"; any other name unchanged."""
-    return bundled_target() if name == BUNDLED else name
+    """The bundled target's directory for the name "bundled"; a shipped model for models/NAME
+    (`shipped`); any other name unchanged."""
+    return bundled_target() if name == BUNDLED else shipped(name)
 
 
 def _is_bundled(target: str) -> bool:
     if target == BUNDLED:
         return True
     try:
-        return Path(target).resolve() == Path(bundled_target()).resolve()
+        return Path(shipped(target)).resolve() == Path(bundled_target()).resolve()
     except OSError:
         return False
 

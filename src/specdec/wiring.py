@@ -243,8 +243,10 @@ def build_prophets(spec: str | None, target: Any, tokenizer: Any, dtype: torch.d
     dtype: the prophets' weights; None: `default_draft_dtype` of the target's device."""
     wiring = Wiring(target, tokenizer, dtype if dtype is not None else default_draft_dtype(target.device),
                     trust_remote_code, retrieval_index, backend, target.device)
+    from specdec.defaults import shipped
+
     prophets = []
-    for part in parse_draft(spec):
+    for part in map(shipped, parse_draft(spec)):  # models/NAME: a shipped prophet, as pages name it
         kind = next(k for k in _REGISTRY if k.claims(part))
         prophets.append(kind.build(part, wiring))
     names = [d.name for d in prophets]

@@ -92,10 +92,10 @@ def _draft_spec(spec: str, prophet_path: str) -> str:
 def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, prophet: str | None,
                 dtype: torch.dtype | None = None, device: str = "cpu") -> Runner:
     from specdec.api import load
-    from specdec.defaults import bundled_prophet, default_target
+    from specdec.defaults import bundled_prophet, default_target, shipped
 
     target = target or default_target()
-    prophet = prophet or bundled_prophet()
+    prophet = shipped(prophet) if prophet else bundled_prophet()  # models/NAME: a shipped prophet
     runner = Runner(settings)
     plain = None
     for cfg in configs:

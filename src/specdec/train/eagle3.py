@@ -164,6 +164,7 @@ def train(data_dir: Path, out: Path, work: Path, minutes: float, steps: int = 4,
           log: Any = print) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    from specdec.defaults import shipped
     from specdec.llama import LlamaWeights
     from specdec.wiring import load_pretrained
 
@@ -173,7 +174,7 @@ def train(data_dir: Path, out: Path, work: Path, minutes: float, steps: int = 4,
     lw = LlamaWeights(model, target, int4=False)
     embed, lm_head = lw.embed.detach(), model.lm_head.weight.detach()[: lw.vocab_size]
     cos, sin = lw.cos.float(), lw.sin.float()
-    vocab_ids = load_file(str(vocab_from / "prophet.safetensors"))["vocab_ids"].long()
+    vocab_ids = load_file(str(Path(shipped(str(vocab_from))) / "prophet.safetensors"))["vocab_ids"].long()
     head_sub = lm_head[vocab_ids].contiguous()
     _VOCAB[id(head_sub)] = vocab_ids
     train_seqs, held, layers = load_sequences(data_dir, max_len)
@@ -265,6 +266,7 @@ def compare(data_dir: Path, eagle3: Path, eagle: Path, steps: int = 4, max_len: 
     agreement (the prophet's argmax == the target's argmax over the full vocabulary) and the
     mean of sum_x min(p, q) at T=1 (the expected acceptance of a drafted token), for the
     eagle3 prophet and the residual-MLP eagle, on the same positions."""
+    from specdec.defaults import shipped
     from specdec.llama import LlamaWeights
     from specdec.prophets.eagle3 import load_eagle3
     from specdec.prophets.feature import load_head
@@ -277,7 +279,7 @@ def compare(data_dir: Path, eagle3: Path, eagle: Path, steps: int = 4, max_len: 
     _, held, _ = load_sequences(data_dir, max_len)
     held = held[:limit]
     net, vocab3, _ = load_eagle3(eagle3)
-    head, vocab1, _ = load_head(eagle)
+    head, vocab1, _ = load_head(Path(shipped(str(eagle))))
     out: dict[str, Any] = {"positions": 0, "eagle3": {"agreement": [0.0] * steps, "min_pq": [0.0] * steps},
                            "eagle": {"agreement": [0.0] * steps, "min_pq": [0.0] * steps}}
     n_total = [0] * steps

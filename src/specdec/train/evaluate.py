@@ -78,4 +78,6 @@ def evaluate(target_path: str, prophet_paths: list[str], prompts: int = 4, max_n
 
 
 if __name__ == "__main__":
-    print(json.dumps(evaluate(sys.argv[1], sys.argv[2:]), indent=1))
+    from specdec.defaults import shipped
+
+    print(json.dumps(evaluate(shipped(sys.argv[1]), [shipped(p) for p in sys.argv[2:]]), indent=1))

@@ -220,9 +220,10 @@ def train_head(kind: str, data: FeatureData, embed: torch.Tensor, lm_head: torch
         best, best_score, best_step = state.get("best"), list(state.get("best_score", [])), state.get("best_step", 0)
         log(f"{kind}: resumed at step {step} ({elapsed / 60:.1f} min done)")
     elif cfg.get("init"):  # warm start from a shipped prophet of the same shape (its int8 weights)
+        from specdec.defaults import shipped
         from specdec.prophets.feature import load_head
 
-        init, _, _ = load_head(Path(str(cfg["init"])))
+        init, _, _ = load_head(Path(shipped(str(cfg["init"]))))
         head.load_state_dict(init.state_dict())
         log(f"{kind}: warm start from {cfg['init']}")
     sub_head = lm_head[vocab_ids].to(torch.bfloat16)

@@ -18,8 +18,8 @@ from specdec.rowprophets import FeatureBatchProphet, FirstBatchProphet, NgramBat
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
-from tests.test_batch import LENGTH, PROMPT, ROWS, SLOTS, MarkovBatch, markov_models, row_params
-from tests.test_feature import toy_prophet
+from tests.loop.test_batch import LENGTH, PROMPT, ROWS, SLOTS, MarkovBatch, markov_models, row_params
+from tests.prophets.test_feature import toy_prophet
 
 N = 2000
 

@@ -456,7 +456,7 @@ ROWS = [  # (K, settings), all in every batch
 def toy_engine(prophet: str) -> tuple[BatchEngine, MarkovLM]:
     """prophet: model, ngram, eagle, medusa (feature prophets with a reduced vocabulary) or
     ngram+eagle (multi="first": lookup where it matches, eagle elsewhere)."""
-    from tests.test_feature import toy_prophet
+    from tests.prophets.test_feature import toy_prophet
 
     target, good = markov_models()
     parts = {"model": lambda: ModelBatchProphet(MarkovBatch(good, SLOTS)), "ngram": lambda: NgramBatchProphet(2),

@@ -14,7 +14,7 @@ import pytest
 
 from tests.server_fixtures import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHUTDOWN_TIMEOUT = 3.0
 MAX_BATCH = 6
 STREAMS = 14  # MAX_BATCH run; the others wait in the queue

@@ -4,7 +4,7 @@ A Q4_1 block of a GGUF file holds 32 weights as codes q in 0..15 with a scale d 
 minimum m (fp16): w = d*q + m. That is groupwise asymmetric int4 with groups of 32, which
 PyTorch's CPU kernel `aten._weight_int4pack_mm_for_cpu` multiplies without de-quantizing
 the matrix: it computes w = (q - 8) * scale + zero per group (checked numerically in
-tests/test_int4.py), so a Q4_1 block maps to scale = d and zero = m + 8d, and its codes
+tests/models/test_int4.py), so a Q4_1 block maps to scale = d and zero = m + 8d, and its codes
 are packed as they are. The kernel reads scales and zeros in the activations' dtype,
 which is bfloat16 for its vectorized path (float32 activations run a scalar loop, ~20x
 slower): d and m + 8d are rounded to bfloat16 (a relative 2^-9 each), the activations are

@@ -30,6 +30,7 @@ def toy_prophet(target: MarkovLM, kind: str, vocab_ids=(0, 1, 3), seed: int = 0)
     ("medusa", 3, dict(temperature=1.0)),
     ("medusa", 4, dict(temperature=1.3, top_p=0.9)),
 ])
+@pytest.mark.slow
 def test_feature_prophets_with_a_reduced_vocabulary_are_exact(kind, k, settings):
     target = MarkovLM.random(V, order=2, seed=11, sharpness=1.5, name="target")
     decoder = SpeculativeDecoder(target, toy_prophet(target, kind), policy=Policy(k))

@@ -338,6 +338,7 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
 
 
 @pytest.mark.parametrize("kernel", ["blocks", "blocks8", "blocks16"])
+@pytest.mark.slow
 def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, kernel):
     """On each of specdec.qgemm's kernels (SPECDEC_INT4_KERNEL): SmolLM2's 9 tokens scored in one
     pass give the logits of 9 one-token steps bit for bit; greedy speculative decoding (default

@@ -459,7 +459,7 @@ ROWS = [  # (K, settings), all in every batch
 def toy_engine(prophet: str) -> tuple[BatchEngine, MarkovLM]:
     """prophet: model, ngram, eagle, medusa (feature prophets with a reduced vocabulary) or
     ngram+eagle (multi="first": lookup where it matches, eagle elsewhere)."""
-    from tests.test_feature import toy_prophet
+    from tests.prophets.test_feature import toy_prophet
 
     target, good = markov_models()
     parts = {"model": lambda: ModelProphet(good, rows=MarkovBatch(good, SLOTS)), "ngram": lambda: NgramProphet(2),
@@ -475,6 +475,7 @@ def row_params(settings) -> SamplingParams:
 
 
 @pytest.mark.parametrize("prophet", ["model", "ngram", "eagle", "medusa", "ngram+eagle"])
+@pytest.mark.slow
 def test_every_row_of_a_mixed_batch_matches_the_exact_distribution(prophet):
     engine, target = toy_engine(prophet)
     requests = [Request(PROMPT, LENGTH, row_params(s), k, seed=i) for i in range(N) for k, s in ROWS]
@@ -522,6 +523,7 @@ def test_first_hands_a_lone_prophets_q_on_and_pads_the_others():
 
 
 @pytest.mark.parametrize("prophet", ["model", "ngram+eagle"])
+@pytest.mark.slow
 def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(prophet):
     """Long prompts go in 2 tokens a step while short rows beside them sample (the chunked
     prefill of a server): each row still follows the target's exact distribution."""

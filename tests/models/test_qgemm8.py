@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec import qgemm
-from tests.test_qgemm import assert_rows_invariant, q4_1_blocks, q8_0_blocks
+from tests.models.test_qgemm import assert_rows_invariant, q4_1_blocks, q8_0_blocks
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm unavailable: {qgemm.why_unavailable()}")
 

@@ -67,7 +67,7 @@ def test_gpu_check_names_configurations_the_code_suite_runs():
 
     from specdec.bench.main import configs_for
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     script = (root / "scripts" / "gpu-check").read_text()
     words = shlex.split(script[script.index("specdec.cli bench"):].split("\nbench=")[0].replace("\\\n", " "))
     names = words[words.index("--configs") + 1:]

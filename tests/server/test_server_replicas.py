@@ -188,6 +188,7 @@ async def _streams(url: str, prompts: list[str], during: Any = None) -> tuple[li
     return streams, side
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_streams_equal_one_process_and_use_both_replicas(cluster, expected):
     streams, _ = asyncio.run(_streams(cluster, PROMPTS))
     for s in streams:
@@ -198,6 +199,7 @@ def test_concurrent_greedy_streams_equal_one_process_and_use_both_replicas(clust
     assert len(tokens) == 2 and all(float(v) > 0 for v in tokens.values()), tokens
 
 
+@pytest.mark.slow
 def test_the_same_api_through_the_replicas(cluster, expected):
     with httpx.Client(base_url=cluster, timeout=60) as c:
         assert c.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4}).status_code == 401
@@ -240,6 +242,7 @@ def test_the_same_api_through_the_replicas(cluster, expected):
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_a_replica_that_dies_ends_only_its_streams_and_is_replaced(cluster, expected):
     pids = _wait_for_replicas(cluster, 2, timeout=30)
     killed: dict[str, Any] = {}
@@ -282,6 +285,7 @@ def test_a_replica_that_dies_ends_only_its_streams_and_is_replaced(cluster, expe
     assert victim not in replaced and len(replaced) == 2
 
 
+@pytest.mark.slow
 def test_stopping_ends_every_stream_with_an_error_event_then_done(cluster, expected):
     """What `specdec serve --replicas` does on SIGTERM or Ctrl-C (the last test: it stops them)."""
     from specdec.server.replicas import APP_NAME, stop_replicas

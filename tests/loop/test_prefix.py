@@ -200,6 +200,7 @@ def test_the_server_answers_a_conversation_from_its_prefix_cache_as_without(tiny
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.slow
 def test_smollm2_continues_a_chat_from_its_prefix_cache_token_for_token(draft):
     messages = [{"role": "system", "content": "You answer briefly and exactly. " * 10},
                 {"role": "user", "content": "Name three rivers in Europe."}]

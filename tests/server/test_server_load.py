@@ -80,6 +80,7 @@ class HealthWatch:
         self.thread.join(5)
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_500_requests_identical_to_plain(proc, tiny_pair):
     plain = load(tiny_pair["target"], draft="none")
     want = {p: plain.generate(p, max_new_tokens=12, temperature=0).text for p in PROMPTS}
@@ -159,6 +160,7 @@ def test_dropped_and_abandoned_clients_free_everything(proc):
         metric(after, "specdec_disconnects_total", '{stage="running"}')
 
 
+@pytest.mark.slow
 def test_memory_is_flat_over_1000_requests(proc):
     rss = psutil.Process(proc.proc.pid).memory_info
 

@@ -55,6 +55,7 @@ def test_a_coupled_draw_is_an_exact_sample():
 
 
 @pytest.mark.parametrize("which", ["model", "ngram", "model+ngram tree"])
+@pytest.mark.slow
 def test_coupled_speculation_fits_the_exact_distribution(which):
     """The whole loop on a toy target whose distribution is known exactly."""
     target = toy_target()

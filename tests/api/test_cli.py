@@ -31,6 +31,7 @@ def test_generate_plain_and_text_output(tiny_pair, capsys, tmp_path):
     assert d["stats"]["draft_calls"] == 0 and d["stats"]["rounds"] == 5
 
 
+@pytest.mark.slow
 def test_check_passes_for_a_correct_pair(tiny_pair, capsys):
     code = main(["check", "--target", tiny_pair["target"], "--draft", tiny_pair["close"], "--samples", "150",
                  "--tokens", "2", "--temperature", "1.0", "--prompt", "def ", "--json"])
@@ -82,6 +83,7 @@ def test_serve_keeps_the_requested_prophet(monkeypatch, argv, draft):
     assert main(argv) == 2 and seen == [draft]
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_conversation_and_reads_each_turn_from_the_prefix_cache(monkeypatch, capsys):
     """`specdec chat` on SmolLM2: a line per message, /reset, end of input ends; each answer is
     what the library answers to the same conversation, and later turns start from the cache."""

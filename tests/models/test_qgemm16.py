@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specdec import qgemm
-from tests.test_qgemm import ROW_COUNTS, assert_rows_invariant, q4_1_blocks
+from tests.models.test_qgemm import ROW_COUNTS, assert_rows_invariant, q4_1_blocks
 
 pytestmark = pytest.mark.skipif(not qgemm.available() or not qgemm.has_bf16_kernel(),
                                 reason="no bfloat16 kernel here (needs the extension and a CPU with avx512_bf16)")
@@ -144,7 +144,7 @@ def reference8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def test_q8_0_panels_hold_the_files_bytes() -> None:
-    from tests.test_qgemm import q8_0_blocks
+    from tests.models.test_qgemm import q8_0_blocks
 
     for n in (16, 37, 64):
         blocks = q8_0_blocks(n, 96, seed=n)
@@ -161,7 +161,7 @@ def test_q8_0_panels_hold_the_files_bytes() -> None:
 @pytest.mark.parametrize("n,k,m", [(37, 64, 1), (50, 576, 2), (48, 576, 5), (19, 1536, 9), (33, 576, 8),
                                    (33, 576, 23), (64, 576, 64)])
 def test_q8_0_matches_the_reference_bit_for_bit(n: int, k: int, m: int) -> None:
-    from tests.test_qgemm import q8_0_blocks
+    from tests.models.test_qgemm import q8_0_blocks
 
     blocks = q8_0_blocks(n, k, seed=n + m)  # codes -128..127
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -175,7 +175,7 @@ def test_q8_0_matches_the_reference_bit_for_bit(n: int, k: int, m: int) -> None:
 
 @pytest.mark.parametrize("n,k", [(1024, 576), (37, 64)])
 def test_q8_0_rows_are_invariant(n: int, k: int, threads: Callable[[int], None]) -> None:
-    from tests.test_qgemm import q8_0_blocks
+    from tests.models.test_qgemm import q8_0_blocks
 
     sizes = (*ROW_COUNTS, 23, 24, 47, 48, 49, 64)
     assert_rows_invariant(lambda x, p, impl="auto": qgemm.q8_0_mm16(x, p), qgemm.panel_q8_0(q8_0_blocks(n, k, seed=5)),
@@ -184,9 +184,9 @@ def test_q8_0_rows_are_invariant(n: int, k: int, threads: Callable[[int], None])
 
 def test_the_layer_loops_q8_0_product_is_the_kernels() -> None:
     """A Q8_0 weight in panels in the layer loop (step.cpp): its product has the kernel's bits (the format picks the
-    kernel; the raw layers' product into a buffer: tests/test_eagle3.py, a layer of Q8_0 products)."""
+    kernel; the raw layers' product into a buffer: tests/prophets/test_eagle3.py, a layer of Q8_0 products)."""
     from specdec import layerloop
-    from tests.test_qgemm import q8_0_blocks
+    from tests.models.test_qgemm import q8_0_blocks
 
     module = qgemm.module()
     blocks = q8_0_blocks(37, 96, seed=6)

@@ -31,6 +31,7 @@ def specbench_run(tmp_path_factory):
     return rc, out
 
 
+@pytest.mark.slow
 def test_specbench_reports_every_task_and_overall(specbench_run):
     rc, out = specbench_run
     assert rc == 0
@@ -66,6 +67,7 @@ def test_specbench_reports_every_task_and_overall(specbench_run):
         assert all(r["decode_speedup"] is None or r["decode_speedup"] > 0 for r in res["tasks"])
 
 
+@pytest.mark.slow
 def test_specbench_markdown_has_the_per_task_rows(specbench_run):
     _, out = specbench_run
     md = (out / "bench.md").read_text()
@@ -136,6 +138,7 @@ def test_a_greedy_mismatch_is_reported_loudly_and_withholds_the_speedup():
     assert "1/2 **MISMATCH**" in md and "MISMATCH: greedy speculative output differs" in md and "rag:2" in md
 
 
+@pytest.mark.slow
 def test_specbench_report_has_the_roofline(specbench_run):
     _, out = specbench_run
     report = json.loads((out / "bench.json").read_text())

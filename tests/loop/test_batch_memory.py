@@ -10,7 +10,7 @@ from specdec.api import batch_engine
 from specdec.batch import BatchLlama
 from specdec.request import Request
 from specdec.sampling import SamplingParams
-from tests.test_batch import smollm2_shaped
+from tests.loop.test_batch import smollm2_shaped
 
 
 def test_a_long_request_holds_only_its_own_slot_and_gives_it_back():

@@ -32,6 +32,7 @@ def test_shipped_prophets_are_greedy_equal_to_plain_decoding(smollm2, prophet):
         assert got.stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm2):
     decoder = load()  # the default target is smollm2, with its default prophets
     assert [d.name for d in decoder.prophets] == ["ngram", "smollm2-eagle"]
@@ -43,6 +44,7 @@ def test_default_prophets_of_smollm2_lookup_first_then_eagle_greedy_equal(smollm
     assert {e.prophet for e in got.events if e.drafted} == {"ngram", "smollm2-eagle"}  # both drafted
 
 
+@pytest.mark.slow
 def test_the_default_prophets_batch_on_the_real_target(smollm2):
     """What `specdec serve --target smollm2` runs: lookup first, eagle elsewhere, in batched
     steps; every row's greedy tokens are what it decodes alone."""

@@ -20,7 +20,7 @@ from specdec.request import Request
 from specdec.sampling import SamplingParams, sample
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
-from tests.test_hf import PROMPTS
+from tests.models.test_hf import PROMPTS
 
 # ---------------------------------------------------------------- prompt lookup
 

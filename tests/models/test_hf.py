@@ -44,6 +44,7 @@ def test_plain_greedy_equals_transformers_generate(tiny_pair, backend):
         assert ours.token_ids == hf[0, ids.shape[1] :].tolist()[: len(ours.token_ids)]
 
 
+@pytest.mark.slow
 def test_close_prophet_accepts_more_than_far(tiny_pair):
     rates = {}
     for name in ["close", "far"]:
@@ -181,6 +182,7 @@ def test_the_prompt_and_max_new_tokens_together_must_fit_the_context(tiny_pair):
 
 
 @pytest.mark.parametrize("spec,multi", [("layerskip:1", "auto"), ("{close}+ngram", "tree"), ("ngram+{eagle}", "first")])
+@pytest.mark.slow
 def test_a_transformers_target_runs_every_row_path_of_the_one_loop(tiny_pair, tiny_eagle, plain, spec, multi):
     """A transformers target scores its rows one after another through views of its own
     (specdec.rows.RowsLM): the early exit's provisional entries, token trees and the features

@@ -20,8 +20,8 @@ from specdec.request import Request
 from specdec.sampling import SamplingParams
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
-from tests.test_batch import LENGTH, PROMPT, ROWS, SLOTS, MarkovBatch, markov_models, row_params
-from tests.test_feature import toy_prophet
+from tests.loop.test_batch import LENGTH, PROMPT, ROWS, SLOTS, MarkovBatch, markov_models, row_params
+from tests.prophets.test_feature import toy_prophet
 
 N = 2000
 
@@ -79,6 +79,7 @@ def tree_engine(branches: int = 3, with_ngram: str = "") -> tuple[BatchEngine, M
 
 
 @pytest.mark.parametrize("with_ngram", ["", "first", "tree"])
+@pytest.mark.slow
 def test_every_row_drafting_grown_trees_matches_the_exact_distribution(with_ngram, monkeypatch):
     """Rows of mixed temperatures, top-k and top-p, each drafting trees of up to 3 children a node
     (independent draws from q; every draw pays here, up to 6 nodes), alone, after prompt lookup
@@ -122,6 +123,7 @@ def test_a_tree_whose_prophets_choose_their_own_k_matches_the_exact_distribution
     assert any(a != b for a, b in lengths), lengths
 
 
+@pytest.mark.slow
 def test_grown_trees_are_exact_with_draws_that_repeat_and_deep_trees(monkeypatch):
     """Every node pays (up to 12 a tree, 4 draws a node, depth 4): repeated draws share a node
     and keep both proposals; still the exact distribution."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from specdec import qgemm
+from specdec.defaults import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "specdec"
@@ -108,6 +109,10 @@ def test_a_wheel_in_a_fresh_venv_drafts_with_its_prophets_and_builds_its_kernel(
     (fresh_site / "specdec-test-dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
 
     cache = tmp_path / "cache"  # a fresh cache: the 4-bit kernel is compiled from the wheel's sources
+    converted = cache_dir() / "gguf"  # SmolLM2's GGUF file converted once (what is tested is the kernel's build)
+    if converted.is_dir():
+        cache.mkdir()
+        (cache / "gguf").symlink_to(converted, target_is_directory=True)
     work = tmp_path / "work"  # the working directory: no models/ or configs/ of a checkout here
     work.mkdir()
     env = clean_env(SPECDEC_CACHE=str(cache), PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")

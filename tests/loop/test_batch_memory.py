@@ -61,7 +61,7 @@ def test_the_engine_trims_once_a_requests_whole_state_is_dropped(tiny_pair, monk
     seen: list[tuple[bool, bool]] = []
     monkeypatch.setattr(llama, "TRIM_BYTES", 1)
     monkeypatch.setattr(batch, "trim_heap", lambda: seen.append((engine.target.kv_bytes() == 0,
-                                                                   engine.prophet.lm.kv_bytes() == 0)))
+                                                                   engine.prophet.draft_lm.kv_bytes() == 0)))
     engine.generate([[1, 2, 3]], max_new_tokens=4, temperature=0)
     assert seen == [(True, True)]
 
@@ -69,12 +69,12 @@ def test_the_engine_trims_once_a_requests_whole_state_is_dropped(tiny_pair, monk
 def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     engine.generate([list(range(1, 200)), [1, 2, 3]], max_new_tokens=6, temperature=0)
-    assert engine.target.kv_bytes() == 0 and engine.prophet.lm.kv_bytes() == 0
+    assert engine.target.kv_bytes() == 0 and engine.prophet.draft_lm.kv_bytes() == 0
     req = Request([1, 2, 3, 4], 50, SamplingParams(0.0), 2)
     engine.step([req])
     assert engine.target.kv_bytes() > 0
     engine.release(req)  # a cancelled request
-    assert engine.target.kv_bytes() == 0 and engine.prophet.lm.kv_bytes() == 0
+    assert engine.target.kv_bytes() == 0 and engine.prophet.draft_lm.kv_bytes() == 0
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "close"])

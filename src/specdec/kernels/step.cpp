@@ -5,7 +5,7 @@
 // `exact_attention`, `Int4Weight.mm`), on the same shapes and in the same order: the same ATen operations where
 // it calls ATen, the same functions of this file where the Python loop calls them (specdec.layerloop), and
 // element for element the same arithmetic where it fuses ATen operations (the rotary positions); so its results
-// are bit for bit the Python loop's (tests/test_layerloop.py). What it removes is the interpreter's work around
+// are bit for bit the Python loop's (tests/models/test_layerloop.py). What it removes is the interpreter's work around
 // each operation (~50 Python calls a layer) and a dozen small operations a layer. The products run on the kernel
 // each weight was loaded for: PyTorch's int4 kernel (bfloat16 activations), specdec.qgemm's block kernels, or a
 // float matrix. Where every query attends alone (one-token steps, verification passes) and every product is one

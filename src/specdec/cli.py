@@ -527,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="the step costs K is chosen from on this machine: shown, or measured "
                                            "again with --again (stored once per machine and settings)")
     _model_args(cal)
+    cal.add_argument("--draft-tokens", "-k", type=int, default=None,
+                     help="the largest K the costs are measured for (default: the target's default K)")
     cal.add_argument("--again", action="store_true", help="forget the stored costs and measure them again now")
     cal.add_argument("--json", action="store_true", help="print the key and costs as one JSON document")
     cal.set_defaults(func=cmd_calibrate)

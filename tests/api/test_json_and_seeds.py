@@ -191,3 +191,16 @@ def test_the_server_follows_the_same_defaults(tiny_pair):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want.text
             assert r.json()["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+def test_specdec_calibrate_shows_the_stored_costs_and_measures_again_only_when_asked(tiny_pair, cache, capfd):
+    tiny = ["--target", tiny_pair["target"], "--draft", tiny_pair["close"], "--policy", "auto"]
+    doc, _ = run_json(["calibrate", *tiny, "--json"], capfd)
+    assert doc["costs"]["t_plain"] > 0 and doc["key"]["prophets"] and "spread" in doc["costs"]
+    [path] = list((cache / "costs").glob("*.json"))
+    again, _ = run_json(["calibrate", *tiny, "--json"], capfd)
+    assert again["costs"] == doc["costs"]  # read back, not measured again
+    assert main(["calibrate", *tiny, "--again"]) == 0  # measured anew and stored in the same place
+    assert "plain step" in capfd.readouterr().out and list((cache / "costs").glob("*.json")) == [path]
+    assert main(["calibrate", "--target", tiny_pair["target"], "--draft", "none"]) == 2  # nothing to measure
+    assert capfd.readouterr().err.startswith("specdec: error: nothing to measure")

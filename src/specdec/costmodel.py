@@ -74,7 +74,8 @@ def interleaved_times(fns: Mapping[Any, Callable[..., object]], repeats: int,
                       ) -> dict[Any, list[float]]:
     """Every timed call of each function, `repeats` rounds of them taken in turn (after one
     warm-up round), `after` run outside the timing after every call. Taking the functions in
-    turn spreads a burst of noise over all of them instead of one. budget_s: no further round
+    turn spreads a burst of noise over all of them instead of one; on a shared machine noise only
+    ever adds time, so a call's cost is the minimum of its timings. budget_s: no further round
     starts once the timed rounds took that long (two are always timed), so a slow or busy
     machine is not held up by the measurement."""
     times: dict[Any, list[float]] = {key: [] for key in fns}
@@ -92,14 +93,6 @@ def interleaved_times(fns: Mapping[Any, Callable[..., object]], repeats: int,
             if rep > 0:  # the first round is the warm-up
                 times[key].append(dt)
     return times
-
-
-def interleaved_minimums(fns: Mapping[Any, Callable[..., object]], repeats: int,
-                         after: Callable[[], object] = lambda: None, budget_s: float | None = None
-                         ) -> dict[Any, float]:
-    """The fastest of each function's `interleaved_times`: on a shared machine noise only ever
-    adds time, so the minimum is the estimate of what a call costs."""
-    return {key: min(ts) for key, ts in interleaved_times(fns, repeats, after, budget_s).items()}
 
 
 def relative_spread(times: Sequence[float]) -> float:

@@ -21,6 +21,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,10 +46,9 @@ BATCH_BUDGET_S = 1.5
 def prophet_key(prophet: Any) -> str:
     """What a prophet's step costs depend on: its kind, name, dtype and (a feature prophet)
     whether its head multiplies the target's 4-bit blocks or float rows."""
-    kind = getattr(prophet, "cost_kind", type(prophet).__name__)
     dtype = str(getattr(prophet, "dtype", "")).removeprefix("torch.")
     head = "" if getattr(prophet, "block_head", None) is None else ":block-head"
-    return f"{kind}:{prophet.name}" + (f":{dtype}" if dtype else "") + head
+    return f"{type(prophet).__name__}:{prophet.name}" + (f":{dtype}" if dtype else "") + head
 
 
 def costs_key(decoder: Any) -> dict[str, Any]:
@@ -79,11 +79,16 @@ def _notice(message: str) -> None:
     log.info(message)
 
 
+def _path(key: dict[str, Any]) -> Path:
+    """The file that keeps the costs stored under `key`."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
 def stored(key: dict[str, Any], measure: Callable[[], Costs], what: str = "step costs") -> Costs:
     """The costs stored under `key`, or measured now (`measure`) and stored with how busy the
     machine was and how long it took. A cache that cannot be written leaves them to this process."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"{digest}.json"
+    path = _path(key)
     try:
         return Costs.from_dict(json.loads(path.read_text())["costs"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -109,10 +114,8 @@ def stored(key: dict[str, Any], measure: Callable[[], Costs], what: str = "step 
 
 def forget(key: dict[str, Any]) -> bool:
     """Remove the costs stored under `key` (the next load measures again). True if there were some."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"{digest}.json"
     try:
-        path.unlink()
+        _path(key).unlink()
         return True
     except FileNotFoundError:
         return False

@@ -17,7 +17,6 @@ request owns its row (cache slot, generator, policy); nothing of it lives here.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -39,8 +38,6 @@ from specdec.prophets.base import Prophet
 from specdec.request import Request
 from specdec.sampling import SamplingParams, check_sampling
 from specdec.stats import summarize
-
-log = logging.getLogger(__name__)
 
 
 def check_prophets(prophets: Sequence[str] | None, loaded: Sequence[str]) -> frozenset[str] | None:

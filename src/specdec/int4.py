@@ -553,15 +553,21 @@ def from_gguf(path: Path, model: Any) -> Int4Source:
 
 
 def from_float(model: Any) -> Int4Source:
-    """4-bit products quantized here from a float model: Q4_1's rule for the layers, Q8_0's for the head."""
+    """4-bit products quantized here from a float model of any family on the lean path (its family
+    file's parts, `specdec.families`): Q4_1's rule for the layers, Q8_0's for the head."""
+    from specdec.families import PRODUCTS, family_of, fused
+
+    family = family_of(model.config)
+    assert family is not None
     layers = []
     with torch.no_grad():
         for layer in model.model.layers:
             quantized = {}
-            for fused, parts in LAYER_PARTS.items():
-                weight = torch.cat([layer.get_submodule(_HF_PARTS[p]).weight for p in parts])
+            parts = family.parts(layer)
+            for name in PRODUCTS:
+                weight = fused(parts[name])
                 if weight.shape[1] % GROUP == 0:
-                    quantized[fused] = Int4Weight(quantize_q4_1(weight))
+                    quantized[name] = Int4Weight(quantize_q4_1(weight))
             layers.append(quantized)
         head_weight = model.lm_head.weight
         head = Int4Weight(quantize_q8_0(head_weight)) if head_weight.shape[1] % GROUP == 0 else None
@@ -582,12 +588,14 @@ def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.devi
     if backend == "hf":
         raise ValueError("dtype int4 runs on specdec's lean path only: leave --backend at auto or fast")
     if not lean:
-        raise ValueError(f"dtype int4 needs a plain Llama model (the lean path); '{name}' is not one")
+        from specdec.families import why_not
+
+        raise ValueError(f"dtype int4 runs on specdec's lean path, which cannot run '{name}' ({why_not(model)})")
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError(f"dtype int4 needs PyTorch's CPU int4 kernel (PyTorch >= 2.6), this is {torch.__version__}")
     if is_alias(name):
         source = from_gguf(smollm2_gguf(), model)
-    elif name.lower().endswith(".gguf"):
+    elif name.lower().endswith(".gguf") and model.config.model_type == "llama":
         source = from_gguf(Path(name).expanduser(), model)
     else:
         source = from_float(model)

@@ -62,8 +62,10 @@ def _product(module: Any, weight: Any, int4_rows: str) -> Any:
 def stack_for(lm: Any) -> Any:
     """The C++ layer stack for a `BatchLlama` (built once per weights and attention settings,
     shared by its views), or None where the Python loop runs: another device or dtype, the
-    int8 copy, float products padded by row policy, SPECDEC_LAYER_LOOP=python, or no extension."""
-    if loop_choice() == "python" or lm.device.type != "cpu" or lm.embed.dtype != torch.float32 or lm.int8:
+    int8 copy, a family computing otherwise than Llama (`Arch.plain`, no extras),
+    float products padded by row policy, SPECDEC_LAYER_LOOP=python, or no extension."""
+    if (loop_choice() == "python" or lm.device.type != "cpu" or lm.embed.dtype != torch.float32 or lm.int8
+            or not lm.arch.plain or any(len(w) != 6 for w in lm.layers)):
         return None
     if lm.bucket_rows and lm.row_policy != "none":
         return None

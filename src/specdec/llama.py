@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from specdec import layerloop, qgemm
+from specdec import families, layerloop, qgemm
 from specdec.defaults import HEAPS, KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
@@ -65,12 +65,8 @@ def _int8_of(owner: Any, name: str, act_dtype: torch.dtype, weight: torch.Tensor
 
 
 def supports(model: Any) -> bool:
-    """Plain Llama architecture: default RoPE, no biases, SiLU MLP."""
-    cfg = model.config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    return (cfg.model_type == "llama" and rope.get("rope_type", "default") == "default"
-            and not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
-            and cfg.hidden_act == "silu")
+    """Whether this path runs a loaded model: a family file takes it (`specdec.families`)."""
+    return families.supports(model)
 
 
 def row_bucket(m: int) -> int:
@@ -180,8 +176,45 @@ def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
     return torch.float16 if want == "float16" else torch.float32
 
 
+class Scores(NamedTuple):
+    """How a family's attention differs from softmax(q k^T / sqrt(head dim)) over every earlier
+    key (`specdec.families.Arch`): its scale, soft-capping of the scores, sliding window (the
+    keys a query sees, itself included). Attention with one runs in PyTorch (`scored_attention`)."""
+
+    scale: float
+    softcap: float | None
+    window: int | None
+
+
+def scored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int,
+                     scores: Scores, gqa: bool, positions: torch.Tensor | None = None,
+                     key_positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q (1, Hq, m, hd) at positions start.. (or `positions`) over keys/values [0, end) of
+    (1, Hkv, >= end, hd) at positions 0.. (or `key_positions`), causally (or as `mask` (m, end)
+    allows), within the window, with the family's scale and soft-cap: scores in q's dtype, softmax
+    in float32 (as transformers' eager attention computes them). Returns (1, Hq, m, hd)."""
+    m = q.shape[2]
+    qpos = positions if positions is not None else torch.arange(start, start + m, device=q.device)
+    lo = 0
+    if scores.window is not None and key_positions is None and positions is None:
+        lo = max(0, start - scores.window + 1)  # keys no query of these sees
+    k, v = keys[:, :, lo:end].to(q.dtype), values[:, :, lo:end].to(q.dtype)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    s = (q @ k.transpose(-1, -2)) * scores.scale  # (1, Hq, m, end - lo)
+    if scores.softcap is not None:
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+    kpos = key_positions if key_positions is not None else torch.arange(lo, end, device=q.device)
+    allowed = mask[:, lo:end] if mask is not None else kpos[None, :] <= qpos[:, None]
+    if scores.window is not None:
+        allowed = allowed & (kpos[None, :] > qpos[:, None] - scores.window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
-                    gqa: bool, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+                    gqa: bool, chunk: int = PREFILL_CHUNK, scores: Scores | None = None) -> torch.Tensor:
     """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
     cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries under a causal
     mask, in blocks that end where `defaults.attention_block_end` says (multiples of `chunk`
@@ -190,7 +223,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     the last `solo` queries alone, exactly as a one-token step attends (in bfloat16 attention
     over several queries at once rounds differently). Every lean path (FastLlamaLM, each row
     of BatchLlama) attends through here, so a row's scores never depend on how many tokens or
-    rows share its pass. Returns (1, Hq, n, hd)."""
+    rows share its pass. scores: a family's own scale, soft-cap or window (`Scores`), else
+    Llama's. Returns (1, Hq, n, hd)."""
     n = q.shape[2]
     lead = n - solo
     parts = []
@@ -198,24 +232,30 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     while a < lead:  # block [a, b) of the leading queries, b at the next block's end
         b = min(lead, attention_block_end(start + a, chunk) - start)
         if b - a == 1:
-            parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa))
+            parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa, scores))
+        elif scores is not None:
+            parts.append(scored_attention(q[:, :, a:b], keys, values, start + a, start + b, scores, gqa))
         else:
             parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b].to(q.dtype),
                                                         values[:, :, :start + b].to(q.dtype),
                                                         attn_mask=causal_mask(b - a, start + a, q.device),
                                                         enable_gqa=gqa))
         a = b
-    parts += [one_query(q[:, :, j:j + 1], keys, values, start + j + 1, gqa) for j in range(lead, n)]
+    parts += [one_query(q[:, :, j:j + 1], keys, values, start + j + 1, gqa, scores) for j in range(lead, n)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one part (a one-token step): no copy
 
 
-def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, gqa: bool) -> torch.Tensor:
+def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, gqa: bool,
+              scores: Scores | None = None) -> torch.Tensor:
     """One query q (1, Hq, 1, hd) over the first `end` keys/values (1, Hkv, >= end, hd): the
     extension's `attend_one` (float32 on the CPU, where it builds; measured on a 2-core AMD EPYC
     with AVX2, 9 query heads over 3 key heads of 64: 13-17 us against PyTorch's 26-37 at 64 keys,
     149 against 188 at 1,024, 590 against 685 at 4,096), else PyTorch's attention. Every query that
     attends alone (a one-token step, a scored query of a verification pass, a token tree's node)
-    attends here or, in the C++ loop, through the same `attend_one`: steps and passes attend alike."""
+    attends here or, in the C++ loop, through the same `attend_one`: steps and passes attend alike.
+    scores: a family's own (`Scores`): then `scored_attention`, alike for steps and passes."""
+    if scores is not None:
+        return scored_attention(q, keys, values, end - 1, end, scores, gqa)
     if q.dtype == torch.float32 and q.device.type == "cpu":
         ext = layerloop.kernels()
         if ext is not None:
@@ -236,9 +276,13 @@ class LlamaWeights:
 
     def __init__(self, model: Any, name: str, vocab_size: int | None = None, int4: bool = True,
                  int8: bool = False, act_dtype: torch.dtype = torch.float32) -> None:
-        if not supports(model):
-            raise ValueError(f"'{name}' is not a plain Llama model; use HFCausalLM")
+        why = families.why_not(model)
+        if why is not None:
+            raise ValueError(f"'{name}' cannot run on the fast path ({why}); use HFCausalLM")
         cfg = model.config
+        family = families.family_of(cfg)
+        assert family is not None
+        self.arch = family.arch(cfg)
         self.model = model
         self.name = name
         self.vocab_size = vocab_size or cfg.vocab_size
@@ -254,10 +298,11 @@ class LlamaWeights:
         with torch.no_grad():
             # (with dtype int4 from a GGUF file: its Q8_0 blocks, the same rows in a quarter of the memory)
             self.embed: Any = inner.embed_tokens.weight if source is None or source.embed is None else source.embed
-            self.layers = [self._layer_weights(layer, source.layers[i] if source is not None else {},
+            self.layers = [self._layer_weights(layer, family.parts(layer), self.arch.norm_offset,
+                                               source.layers[i] if source is not None else {},
                                                act_dtype if int8 else None)
                            for i, layer in enumerate(inner.layers)]
-            self.final_norm = inner.norm.weight
+            self.final_norm = self._offset(inner.norm.weight, self.arch.norm_offset)
             # tied embeddings: the same tensor; with dtype int4 an Int4Weight (the float one: head())
             self.lm_head: Any = model.lm_head.weight[: self.vocab_size]
             if source is not None and source.head is not None:
@@ -266,16 +311,20 @@ class LlamaWeights:
                 self.lm_head = _int8_of(model.lm_head, "weight", act_dtype,
                                         model.lm_head.weight[: self.vocab_size],
                                         (model.lm_head.weight.data_ptr(), self.vocab_size))
-            positions = torch.arange(self.max_length, dtype=torch.float, device=self.embed.device)
-            freqs = positions[:, None] * inner.rotary_emb.inv_freq.float()[None, :]  # (T, hd/2)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            scale = getattr(inner.rotary_emb, "attention_scaling", 1.0)
             dtype = self.embed.dtype
-            self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
-            # sin with the rotation's sign folded in: x * cos + roll(x, hd/2) * sin_signed is
-            # x * cos + cat(-x2, x1) * sin bit for bit ((-a) * b == a * (-b)), in two ops fewer
-            half = self.sin.shape[-1] // 2
-            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+            # the rotary tables by the name layers read them under (`Arch.rope`): cos and sin_signed (T, hd), sin
+            # with the rotation's sign folded in: x * cos + roll(x, hd/2) * sin_signed is x * cos + cat(-x2, x1) *
+            # sin bit for bit ((-a) * b == a * (-b)), in two ops fewer
+            self.ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for kind, (inv_freq, scale) in families.rope_tables(model).items():
+                positions = torch.arange(self.max_length, dtype=torch.float, device=self.embed.device)
+                freqs = positions[:, None] * inv_freq.float().to(positions.device)[None, :]  # (T, hd/2)
+                emb = torch.cat([freqs, freqs], dim=-1)
+                cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (T, hd)
+                half = sin.shape[-1] // 2
+                self.ropes[kind] = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+                if kind == self.arch.rope(0):
+                    self.cos, self.sin, self.sin_signed = cos, sin, self.ropes[kind][1]
 
         # In bfloat16 (or float16) on a CPU, torch multiplies through oneDNN, which builds and
         # keeps a kernel for every row count it meets (an LRU of up to 1,024 of them): a
@@ -340,37 +389,42 @@ class LlamaWeights:
         return self._mm(x, w[name])
 
     def _mlp(self, x: torch.Tensor, w: dict[str, Any]) -> torch.Tensor:
-        """A layer's MLP on the residual stream x: down(silu(gate) * up) of its post-attention norm."""
+        """A layer's MLP on the residual stream x: down(act(gate) * up) of its pre-MLP norm (and,
+        where the family has one, the norm of that output)."""
         gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
-        return self._linear(F.silu(gate) * up, w, "down")
+        act = F.silu(gate) if self.arch.act == "silu" else F.gelu(gate, approximate="tanh")
+        out = self._linear(act * up, w, "down")
+        return self._norm(out, w["mlp_out_norm"]) if "mlp_out_norm" in w else out
 
     @staticmethod
-    def _layer_weights(layer: Any, int4: dict[str, Int4Weight], int8: torch.dtype | None = None) -> dict[str, Any]:
-        """The layer's norms and products (fused), each product 4-bit where `int4` holds it,
-        or (int8: the activations' dtype) every product int8."""
-        att, mlp = layer.self_attn, layer.mlp
-        fused = {
-            "qkv": lambda: torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
-            "o": lambda: att.o_proj.weight,
-            "gate_up": lambda: torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-            "down": lambda: mlp.down_proj.weight,
-        }
-        weights: dict[str, Any] = {"in_norm": layer.input_layernorm.weight,
-                                   "post_norm": layer.post_attention_layernorm.weight}
+    def _offset(weight: torch.Tensor, offset: float) -> torch.Tensor:
+        """A norm's weight as the path scales by it: (offset + weight) in float32 where the family
+        scales so (Gemma: 1 + weight), made once and kept on the tensor's owner."""
+        return weight if offset == 0.0 else (weight.float() + offset).to(weight.dtype)
+
+    @staticmethod
+    def _layer_weights(layer: Any, parts: dict[str, Any], norm_offset: float, int4: dict[str, Int4Weight],
+                       int8: torch.dtype | None = None) -> dict[str, Any]:
+        """The layer's norms and products (fused: q|k|v, gate|up) from its family's parts
+        (`specdec.families`), each product 4-bit where `int4` holds it, or (int8: the activations'
+        dtype) every product int8; the extras some families add (biases, q/k norms, output norms)."""
+        weights: dict[str, Any] = {}
         # Fused once per layer and shared by every view of the model (each one-sequence view,
         # each batched engine): a float32 SmolLM2 would otherwise hold 0.28 GB more per view.
         cache = layer.__dict__.setdefault("_specdec_fused", {})
-        for name, make in fused.items():
+        for name, part in parts.items():
             if name in int4:
                 weights[name] = int4[name]
                 continue
-            parts = {"qkv": (att.q_proj, att.k_proj, att.v_proj), "o": (att.o_proj,),
-                     "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,)}[name]
-            key = tuple((m.weight.data_ptr(), m.weight.dtype, m.weight.device, m.weight._version) for m in parts)
+            tensors = part if isinstance(part, (list, tuple)) else [part]
+            key = (tuple((t.data_ptr(), t.dtype, t.device, t._version) for t in tensors), norm_offset)
             if name not in cache or cache[name][0] != key:
-                cache[name] = (key, make())
+                value = families.fused(part)
+                if name.endswith("_norm"):
+                    value = LlamaWeights._offset(value, norm_offset)
+                cache[name] = (key, value)
             weights[name] = cache[name][1]
-            if int8 is not None:
+            if int8 is not None and name in families.PRODUCTS:
                 weights[name] = _int8_of(layer, name, int8, cache[name][1], key)
         return weights
 
@@ -397,6 +451,7 @@ class _Tree(NamedTuple):
 
     mask: torch.Tensor
     node_keys: list[torch.Tensor]
+    where: torch.Tensor  # the positions of the row's new tokens (nodes at chain end + depth)
 
 
 TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
@@ -564,20 +619,38 @@ class BatchLlama(LlamaWeights):
         self.k_slots[slot], self.v_slots[slot] = k, v
         return k, v
 
+    def scores(self, i: int) -> Scores | None:
+        """Layer i's attention where it is not Llama's (`Scores`), else None."""
+        arch = self.arch
+        window = arch.window(i)
+        if arch.query_scale is None and arch.attn_softcap is None and window is None:
+            return None
+        scale = arch.query_scale if arch.query_scale is not None else self.head_dim ** -0.5
+        return Scores(scale, arch.attn_softcap, window)
+
     def _attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
         """h (B, n, D); rope: cos and sin_signed at its positions (B, 1, n, hd), gathered once
         per pass; rows: per row (its slot's keys, values, start, new
         tokens, scored tokens, token tree or None). Each row writes its new keys/values by
         position into its own slot (entries past its committed length are stale, overwritten
-        later) and attends over them alone: causally, or (a token tree) as its mask allows."""
+        later) and attends over them alone: causally, or (a token tree) as its mask allows.
+        Families add biases, norms of each head of q and k (before rotary), and a norm of the output."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
-        heads = self._mm(h, w["qkv"]).view(n_rows, n, -1, hd).transpose(1, 2)  # (B, Hq + 2 Hkv, n, hd)
+        qkv = self._mm(h, w["qkv"])
+        if "qkv_bias" in w:
+            qkv = qkv + w["qkv_bias"]
+        heads = qkv.view(n_rows, n, -1, hd).transpose(1, 2)  # (B, Hq + 2 Hkv, n, hd)
+        if "q_norm" in w:
+            heads = torch.cat([self._norm(heads[:, : self.n_heads], w["q_norm"]),
+                               self._norm(heads[:, self.n_heads : self.n_heads + self.n_kv], w["k_norm"]),
+                               heads[:, self.n_heads + self.n_kv :]], dim=1)
         qk = self._rope(heads[:, : self.n_heads + self.n_kv], *rope)  # queries and keys rotated at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (B, Hq, n, hd), (B, Hkv, n, hd)
         v = heads[:, self.n_heads + self.n_kv :]  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
+        scores = self.scores(i)
         # (B, Hq, n, hd); padded queries stay 0 and are discarded. A row alone (a request stepped
         # by itself) has no padding: its attention is the output, nothing to fill or copy.
         out = torch.zeros_like(q) if n_rows > 1 else None
@@ -586,7 +659,13 @@ class BatchLlama(LlamaWeights):
             values[i, :, start : start + n_new] = v[b, :, :n_new]
             if tree is not None and self.exact_rows:  # each scored query as a one-token step attends
                 one = self._tree_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start,
-                                           tree.node_keys, gqa)
+                                           tree.node_keys, gqa, scores)
+            elif tree is not None and scores is not None:
+                end = start + n_new
+                one = scored_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, end, scores,
+                                       gqa, positions=tree.where,
+                                       key_positions=torch.cat([torch.arange(start, device=q.device), tree.where]),
+                                       mask=tree.mask)
             elif tree is not None:  # a token tree: each node sees the context, the chain and its ancestors
                 end = start + n_new
                 one = F.scaled_dot_product_attention(q[b : b + 1, :, :n_new], keys[i][None, :, :end].to(q.dtype),
@@ -595,16 +674,17 @@ class BatchLlama(LlamaWeights):
             else:
                 solo = min(scored, n_new) if self.exact_rows and n_new > 1 else 0
                 one = exact_attention(q[b : b + 1, :, :n_new], keys[i][None], values[i][None], start, solo, gqa,
-                                      self.attention_chunk)
+                                      self.attention_chunk, scores)
             if out is None:
                 out = one
             else:
                 out[b : b + 1, :, :n_new] = one
         assert out is not None
-        return self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
+        out = self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
+        return self._norm(out, w["attn_out_norm"]) if "attn_out_norm" in w else out
 
     def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                        node_keys: Sequence[torch.Tensor], gqa: bool) -> torch.Tensor:
+                        node_keys: Sequence[torch.Tensor], gqa: bool, scores: Scores | None = None) -> torch.Tensor:
         """A chain then a token tree, attended so that each scored query computes exactly what a
         one-token step at its place would: the chain through `exact_attention` (its last query
         alone), and each node alone over the keys it sees (`node_keys`), gathered in order
@@ -613,8 +693,9 @@ class BatchLlama(LlamaWeights):
         by node costs 1.5-2.5x the masked pass at 200-800 positions (int4 SmolLM2; on this AMD
         EPYC with avx512_bf16 the masked pass rounds some rows differently)."""
         chain = q.shape[2] - len(node_keys)
-        parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk)]
-        parts += [one_query(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx], len(idx), gqa)
+        parts = [exact_attention(q[:, :, :chain], keys, values, start, 1, gqa, self.attention_chunk, scores)]
+        # (a node's keys gathered are at positions 0.. in order, so a window applies to them as to a step's)
+        parts += [one_query(q[:, :, j : j + 1], keys[:, :, idx], values[:, :, idx], len(idx), gqa, scores)
                   for j, idx in enumerate(node_keys, chain)]
         return torch.cat(parts, dim=2)
 
@@ -682,14 +763,18 @@ class BatchLlama(LlamaWeights):
             context = torch.arange(start, device=device)
             node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
                          for j in range(chain, len(where))] if self.exact_rows else []
-            layouts[b] = _Tree(allowed.to(device), node_keys)
+            layouts[b] = _Tree(allowed.to(device), node_keys, where.to(device))
         rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
                 for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
         x = self.embed[ids]  # (B, n, D)
+        if self.arch.embed_scale is not None:  # (Gemma: scaled in the embeddings' dtype, as transformers does)
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         kept: list[torch.Tensor] = []
-        rope = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, n, hd)
+        ropes = {kind: (cos[positions][:, None], sin_signed[positions][:, None])  # (B, 1, n, hd) each
+                 for kind, (cos, sin_signed) in self.ropes.items()}
+        rope = ropes[self.arch.rope(0)]
         if stack is not None:
             x, kept = stack.run(x, rope[0], rope[1], [r[0] for r in rows], [r[1] for r in rows],
                                 [int(s) for s in starts], [len(ids) for ids in new_ids], [int(m) for m in n_logits],
@@ -697,7 +782,7 @@ class BatchLlama(LlamaWeights):
                                 [tree_of.get(b, []) for b in range(len(slots))] if tree_of else [])
         else:
             for i, w in enumerate(self.layers[:layers]):
-                x = x + self._attention(i, self._norm(x, w["in_norm"]), rope, rows)
+                x = x + self._attention(i, self._norm(x, w["in_norm"]), ropes[self.arch.rope(i)], rows)
                 x = x + self._mlp(x, w)
                 if i in capture:
                     kept.append(x.float())
@@ -713,7 +798,10 @@ class BatchLlama(LlamaWeights):
         hidden = self._norm(x, self.final_norm)
         if not head:
             return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float(), fused
-        return self._mm(hidden, self.lm_head).float(), hidden.float(), fused
+        logits = self._mm(hidden, self.lm_head).float()
+        if self.arch.final_softcap is not None:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits, hidden.float(), fused
 
 
 class FastLlamaLM:

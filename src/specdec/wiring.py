@@ -67,7 +67,8 @@ def default_target_int4(name: str, model: Any, device: torch.device, backend: st
     from specdec.llama import supports
 
     return (device.type == "cpu" and backend != "hf" and (is_alias(name) or name.lower().endswith(".gguf"))
-            and supports(model) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+            and supports(model) and model.config.model_type == "llama"  # (other families' blocks: not read yet)
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:

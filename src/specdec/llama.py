@@ -191,24 +191,34 @@ def scored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      key_positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Queries q (1, Hq, m, hd) at positions start.. (or `positions`) over keys/values [0, end) of
     (1, Hkv, >= end, hd) at positions 0.. (or `key_positions`), causally (or as `mask` (m, end)
-    allows), within the window, with the family's scale and soft-cap: scores in q's dtype, softmax
-    in float32 (as transformers' eager attention computes them). Returns (1, Hq, m, hd)."""
+    allows), within the window, with the family's scale and soft-cap. Returns (1, Hq, m, hd).
+    Without soft-capping as Llama's attention runs (one query: `attend_one` over the window's keys,
+    with the family's scale; several: PyTorch's, under the window's mask); with it in PyTorch
+    (scores in q's dtype, softmax in float32, as transformers' eager attention computes them)."""
     m = q.shape[2]
-    qpos = positions if positions is not None else torch.arange(start, start + m, device=q.device)
     lo = 0
     if scores.window is not None and key_positions is None and positions is None:
         lo = max(0, start - scores.window + 1)  # keys no query of these sees
+    plain = scores.softcap is None and mask is None
+    if plain and m == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
+        ext = layerloop.kernels()
+        if ext is not None:
+            return ext.attend_one(q, keys[:, :, lo:], values[:, :, lo:], end - lo,  # type: ignore[no-any-return]
+                                  scores.scale)
+    qpos = positions if positions is not None else torch.arange(start, start + m, device=q.device)
+    kpos = key_positions if key_positions is not None else torch.arange(lo, end, device=q.device)
+    allowed = mask[:, lo:end] if mask is not None else kpos[None, :] <= qpos[:, None]
+    if scores.window is not None:
+        allowed = allowed & (kpos[None, :] > qpos[:, None] - scores.window)
     k, v = keys[:, :, lo:end].to(q.dtype), values[:, :, lo:end].to(q.dtype)
+    if plain:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scores.scale, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     s = (q @ k.transpose(-1, -2)) * scores.scale  # (1, Hq, m, end - lo)
     if scores.softcap is not None:
         s = torch.tanh(s / scores.softcap) * scores.softcap
-    kpos = key_positions if key_positions is not None else torch.arange(lo, end, device=q.device)
-    allowed = mask[:, lo:end] if mask is not None else kpos[None, :] <= qpos[:, None]
-    if scores.window is not None:
-        allowed = allowed & (kpos[None, :] > qpos[:, None] - scores.window)
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
@@ -641,11 +651,12 @@ class BatchLlama(LlamaWeights):
         qkv = self._mm(h, w["qkv"])
         if "qkv_bias" in w:
             qkv = qkv + w["qkv_bias"]
+        if "q_norm" in w:  # each head of q and k normalized over its hd values (in place: qkv is this pass's own)
+            split = qkv.view(n_rows, n, -1, hd)
+            split[:, :, : self.n_heads] = self._norm(split[:, :, : self.n_heads], w["q_norm"])
+            split[:, :, self.n_heads : self.n_heads + self.n_kv] = self._norm(
+                split[:, :, self.n_heads : self.n_heads + self.n_kv], w["k_norm"])
         heads = qkv.view(n_rows, n, -1, hd).transpose(1, 2)  # (B, Hq + 2 Hkv, n, hd)
-        if "q_norm" in w:
-            heads = torch.cat([self._norm(heads[:, : self.n_heads], w["q_norm"]),
-                               self._norm(heads[:, self.n_heads : self.n_heads + self.n_kv], w["k_norm"]),
-                               heads[:, self.n_heads + self.n_kv :]], dim=1)
         qk = self._rope(heads[:, : self.n_heads + self.n_kv], *rope)  # queries and keys rotated at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (B, Hq, n, hd), (B, Hkv, n, hd)
         v = heads[:, self.n_heads + self.n_kv :]  # (B, Hkv, n, hd)

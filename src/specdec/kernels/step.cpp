@@ -422,7 +422,7 @@ inline AttendHeads<KT> attend_group(int64_t group, int64_t hd) {
 
 template <typename KT>
 torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            int64_t end) {
+                            int64_t end, double scale_or_zero) {
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1, "attend_one: q must be (1, Hq, 1, hd)");
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(2) >= end && end > 0, "attend_one: keys too short");
   const auto qc = q.stride(3) == 1 ? q : q.contiguous();
@@ -438,7 +438,7 @@ torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& keys, c
   const KT* pv = vc.data_ptr<KT>();
   float* po = out.data_ptr<float>();
   const int64_t qh = qc.stride(1), kh = kc.stride(1), kt = kc.stride(2), vh = vc.stride(1), vt = vc.stride(2);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = scale_or_zero > 0 ? static_cast<float>(scale_or_zero) : 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t padded = (end + 7) / 8 * 8;
   // ~hd multiply-adds a key for the scores and as many for the values: a thread takes >= 64K of them
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * end));
@@ -452,13 +452,16 @@ torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& keys, c
   return out;
 }
 
-// float32 queries over float32 or float16 keys and values (a cache's `kv_dtype`; both the same).
-torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end) {
+// float32 queries over float32 or float16 keys and values (a cache's `kv_dtype`; both the same). scale: the scores'
+// (a family's own, `specdec.families.Arch.query_scale`), 0 for 1/sqrt(head size).
+torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t end,
+                         double scale) {
   const auto kv = keys.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && (kv == at::kFloat || kv == at::kHalf) && values.scalar_type() == kv,
               "attend_one: float32 queries over float32 or float16 keys and values (both the same)");
   TORCH_CHECK(q.size(-1) <= 256, "attend_one: head sizes up to 256");
-  return kv == at::kHalf ? attend_one_as<c10::Half>(q, keys, values, end) : attend_one_as<float>(q, keys, values, end);
+  return kv == at::kHalf ? attend_one_as<c10::Half>(q, keys, values, end, scale)
+                         : attend_one_as<float>(q, keys, values, end, scale);
 }
 
 // One product x @ W.T of a layer, as `LlamaWeights._mm` computes it for that weight.
@@ -727,7 +730,7 @@ class Stack {
     for (int64_t a = 0; a < lead;) {
       const int64_t b = std::min(lead, block_end(start + a) - start);
       if (b - a == 1) {
-        parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b));
+        parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b, 0.0));
       } else {
         auto mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
         // a float16 cache's keys and values as float32 (exactly), as the Python loop converts them
@@ -737,7 +740,8 @@ class Stack {
       }
       a = b;
     }
-    for (int64_t j = lead; j < n; ++j) parts.push_back(attend_one(q.slice(2, j, j + 1), keys, values, start + j + 1));
+    for (int64_t j = lead; j < n; ++j)
+      parts.push_back(attend_one(q.slice(2, j, j + 1), keys, values, start + j + 1, 0.0));
     return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
   }
 
@@ -963,7 +967,7 @@ void register_step(pybind11::module& m) {
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row of x (..., D) float32, one fixed order a row",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("attend_one", &attend_one, "one query (1, Hq, 1, hd) over the first `end` keys (1, Hkv, T, hd), float32",
-        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("end"));
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("end"), py::arg("scale") = 0.0);
   m.def("rope_heads", &rope_heads, "x * cos + roll(x, hd/2) * sin_signed for heads (B, H, n, hd)", py::arg("heads"),
         py::arg("cos"), py::arg("sin_signed"));
   py::class_<Stack>(m, "Stack")

@@ -11,7 +11,10 @@ exactly (tested). It removes the interpreter's work around each operation (about
 a layer, 1,500 a SmolLM2 step) and a dozen small operations a layer; where every query attends
 alone and every product is on specdec's block kernels (`Stack.raw`), its layers run on one
 workspace of raw buffers, two ATen calls a layer instead of ~35.
-Other token trees, the int8 copy, bfloat16 and float16 models and other devices keep the Python loop.
+Families run here with what they add (`specdec.families`: biases, q/k norms, output norms, GeGLU, their
+attention scale, sliding windows, a rotary table per layer); soft-capped attention (Gemma 2), token trees
+over sliding windows, other token trees, the int8 copy, bfloat16 and float16 models and other devices keep
+the Python loop.
 
 SPECDEC_LAYER_LOOP chooses: "auto" (the default: C++ where it applies and the extension builds
 here) or "python" (always the Python loop, e.g. to compare).
@@ -25,6 +28,7 @@ import torch
 
 from specdec import qgemm
 from specdec.defaults import choice, fine_block
+from specdec.families import EXTRAS
 from specdec.int4 import Int4Weight
 
 LOOPS = ("auto", "python")
@@ -62,10 +66,10 @@ def _product(module: Any, weight: Any, int4_rows: str) -> Any:
 def stack_for(lm: Any) -> Any:
     """The C++ layer stack for a `BatchLlama` (built once per weights and attention settings,
     shared by its views), or None where the Python loop runs: another device or dtype, the
-    int8 copy, a family computing otherwise than Llama (`Arch.plain`, no extras),
-    float products padded by row policy, SPECDEC_LAYER_LOOP=python, or no extension."""
+    int8 copy, attention soft-capping (Gemma 2), float products padded by row policy,
+    SPECDEC_LAYER_LOOP=python, or no extension."""
     if (loop_choice() == "python" or lm.device.type != "cpu" or lm.embed.dtype != torch.float32 or lm.int8
-            or not lm.arch.plain or any(len(w) != 6 for w in lm.layers)):
+            or lm.arch.attn_softcap is not None or lm.arch.act not in ("silu", "gelu_tanh")):
         return None
     if lm.bucket_rows and lm.row_policy != "none":
         return None
@@ -82,11 +86,17 @@ def _build(lm: Any) -> Any:
     module = qgemm.module()
     stack = module.Stack(lm.n_heads, lm.n_kv, lm.head_dim, float(lm.eps), lm.attention_chunk,
                          fine_block(lm.attention_chunk), lm.exact_rows)
-    for w in lm.layers:
+    stack.set_family(lm.arch.act == "gelu_tanh", lm.arch.query_scale or 0.0)
+    kinds = list(lm.ropes)  # the order `BatchLlama.forward_fused` hands the rotary tables in
+    for i, w in enumerate(lm.layers):
+        if any(t is not None and t.dtype != torch.float32 for t in (w.get(e) for e in EXTRAS)):
+            return None
         products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:
             return None
         if lm.bucket_rows and any(not isinstance(w[name], Int4Weight) for name in ("qkv", "o", "gate_up", "down")):
             return None  # a float product beside 4-bit ones is padded by row policy in the Python loop
         stack.add_layer(w["in_norm"], w["post_norm"], products)
+        stack.set_extras(w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w.get("attn_out_norm"),
+                         w.get("mlp_out_norm"), lm.arch.window(i) or 0, kinds.index(lm.arch.rope(i)))
     return stack

@@ -181,7 +181,7 @@ class Scores(NamedTuple):
     key (`specdec.families.Arch`): its scale, soft-capping of the scores, sliding window (the
     keys a query sees, itself included). Attention with one runs in PyTorch (`scored_attention`)."""
 
-    scale: float
+    scale: float  # 0: 1/sqrt(head dim), as Llama's (and the kernels' default, computed alike)
     softcap: float | None
     window: int | None
 
@@ -212,11 +212,11 @@ def scored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         allowed = allowed & (kpos[None, :] > qpos[:, None] - scores.window)
     k, v = keys[:, :, lo:end].to(q.dtype), values[:, :, lo:end].to(q.dtype)
     if plain:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scores.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scores.scale or None, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    s = (q @ k.transpose(-1, -2)) * scores.scale  # (1, Hq, m, end - lo)
+    s = (q @ k.transpose(-1, -2)) * (scores.scale or q.shape[-1] ** -0.5)  # (1, Hq, m, end - lo)
     if scores.softcap is not None:
         s = torch.tanh(s / scores.softcap) * scores.softcap
     s = s.masked_fill(~allowed, float("-inf"))
@@ -635,8 +635,7 @@ class BatchLlama(LlamaWeights):
         window = arch.window(i)
         if arch.query_scale is None and arch.attn_softcap is None and window is None:
             return None
-        scale = arch.query_scale if arch.query_scale is not None else self.head_dim ** -0.5
-        return Scores(scale, arch.attn_softcap, window)
+        return Scores(arch.query_scale or 0.0, arch.attn_softcap, window)
 
     def _attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int, _Tree | None]]) -> torch.Tensor:
@@ -760,7 +759,7 @@ class BatchLlama(LlamaWeights):
         # the same layers in C++ where it applies (bit for bit this loop's results, see specdec.layerloop): token
         # trees too where each of their queries attends alone (a verification pass: a chain of one pending token)
         tree_of = {b: list(t) for b, t in enumerate(trees or []) if t}  # rows with a tree: its parents
-        in_cpp = not tree_of or (self.exact_rows and all(
+        in_cpp = not tree_of or (self.exact_rows and not any(self.arch.windows) and all(
             len(new_ids[b]) - len(t) == 1 and n_logits[b] >= len(new_ids[b]) for b, t in tree_of.items()))
         stack = layerloop.stack_for(self) if in_cpp and (layers is None or layers >= 0) else None
         for b, parents in tree_of.items():  # laid out once for every layer: the nodes' positions (chain end + depth),
@@ -785,12 +784,13 @@ class BatchLlama(LlamaWeights):
         kept: list[torch.Tensor] = []
         ropes = {kind: (cos[positions][:, None], sin_signed[positions][:, None])  # (B, 1, n, hd) each
                  for kind, (cos, sin_signed) in self.ropes.items()}
-        rope = ropes[self.arch.rope(0)]
-        if stack is not None:
-            x, kept = stack.run(x, rope[0], rope[1], [r[0] for r in rows], [r[1] for r in rows],
+        if stack is not None:  # the rotary tables in `self.ropes`' order (a layer's index into them: layerloop)
+            (cos, sin_signed), *more = ropes.values()
+            x, kept = stack.run(x, cos, sin_signed, [r[0] for r in rows], [r[1] for r in rows],
                                 [int(s) for s in starts], [len(ids) for ids in new_ids], [int(m) for m in n_logits],
                                 -1 if layers is None else layers, [int(c) for c in capture],
-                                [tree_of.get(b, []) for b in range(len(slots))] if tree_of else [])
+                                [tree_of.get(b, []) for b in range(len(slots))] if tree_of else [],
+                                [c for c, _ in more], [s for _, s in more])
         else:
             for i, w in enumerate(self.layers[:layers]):
                 x = x + self._attention(i, self._norm(x, w["in_norm"]), ropes[self.arch.rope(i)], rows)

@@ -175,3 +175,27 @@ def test_sampled_speculative_loop_reproduces_the_second_token_distribution(famil
         counts[g.token_ids[1] if len(g.token_ids) > 1 else "stop"] += 1
     result = goodness_of_fit(counts, exact, alpha=ALPHA)
     assert result.passed, result.verdict
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma2"])
+def test_the_cpp_loop_computes_the_python_loops_bits_for_every_family(family, dtype, family_dirs, monkeypatch):
+    """Each family's extras in the C++ layer loop (biases, q/k norms, output norms, GeGLU, scale, windows, a
+    rotary table per layer) compute the Python loop's bits: logits, features and every key and value, over
+    ragged prompts, verification passes, steps, early exits and trees (Gemma 2's soft-capped attention stays
+    in the Python loop)."""
+    from specdec import layerloop, qgemm
+    from tests.models.test_layerloop import _both, _equal, _passes
+
+    if not qgemm.available():
+        pytest.skip(f"the extension does not build here: {qgemm.why_unavailable()}")
+    lm = load(family_dirs[family, "target"], draft="none", dtype=dtype).target.rows
+    assert layerloop.stack_for(lm) is not None
+    (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
+    assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
+
+
+def test_gemma2_keeps_the_python_loop(family_dirs):
+    from specdec import layerloop
+
+    assert layerloop.stack_for(load(family_dirs["gemma2", "target"], draft="none").target.rows) is None

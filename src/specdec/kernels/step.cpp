@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 // specdec.qgemm's products (qgemm.cpp, qgemm8.cpp): x (M, K) float32 contiguous @ blocks.T, fmt 0 Q4_1, 1 Q8_0.
@@ -553,6 +554,10 @@ torch::Tensor residual_mlps(const std::vector<Product>& ups, const std::vector<P
 struct Layer {
   torch::Tensor in_norm, post_norm;
   Product qkv, o, gate_up, down;
+  // what some families add (`specdec.families`; undefined where a layer has none): a bias on q|k|v, RMSNorms of each
+  // head of q and of k, of the attention's and the MLP's outputs; the sliding window (0: none); the rotary table
+  torch::Tensor qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t window = 0, rope = 0;
 };
 
 // The model's layers and shapes, built once per model (`specdec.step.stack_for`).
@@ -567,6 +572,32 @@ class Stack {
         fine_(fine),
         exact_rows_(exact_rows) {
     TORCH_CHECK(head_dim > 0 && head_dim <= 256, "the layer loop: head sizes up to 256");
+  }
+
+  // A family's computation beside Llama's (`specdec.families.Arch`): GeGLU (gelu, tanh) instead of SwiGLU, and the
+  // attention's scale where it is not 1/sqrt(head size) (0: that).
+  void set_family(bool gelu, double scale) { gelu_ = gelu, scale_ = static_cast<float>(scale); }
+
+  // The last added layer's extras (see Layer); each optional (None: the layer has none).
+  void set_extras(const std::optional<torch::Tensor>& qkv_bias, const std::optional<torch::Tensor>& q_norm,
+                  const std::optional<torch::Tensor>& k_norm, const std::optional<torch::Tensor>& attn_out_norm,
+                  const std::optional<torch::Tensor>& mlp_out_norm, int64_t window, int64_t rope) {
+    TORCH_CHECK(!layers_.empty(), "set_extras: add the layer first");
+    Layer& w = layers_.back();
+    const auto take = [&](const std::optional<torch::Tensor>& t, int64_t size, const char* what) {
+      if (!t) return torch::Tensor();
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == size && t->is_contiguous(),
+                  "set_extras: ", what, " must be float32 (", size, ",), dense");
+      return *t;
+    };
+    w.qkv_bias = take(qkv_bias, w.qkv.out_rows, "qkv_bias");
+    w.q_norm = take(q_norm, head_dim_, "q_norm");
+    w.k_norm = take(k_norm, head_dim_, "k_norm");
+    w.attn_out_norm = take(attn_out_norm, w.o.out_rows, "attn_out_norm");
+    w.mlp_out_norm = take(mlp_out_norm, w.down.out_rows, "mlp_out_norm");
+    TORCH_CHECK(w.q_norm.defined() == w.k_norm.defined(), "set_extras: q_norm and k_norm together");
+    TORCH_CHECK(window >= 0 && rope >= 0, "set_extras: window and rope index >= 0");
+    w.window = window, w.rope = rope;
   }
 
   void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm, const std::vector<Product>& products) {
@@ -596,25 +627,34 @@ class Stack {
                                                            const std::vector<int64_t>& n_new,
                                                            const std::vector<int64_t>& scored, int64_t n_layers,
                                                            const std::vector<int64_t>& capture,
-                                                           const std::vector<std::vector<int64_t>>& trees) const {
+                                                           const std::vector<std::vector<int64_t>>& trees,
+                                                           const std::vector<torch::Tensor>& more_cos,
+                                                           const std::vector<torch::Tensor>& more_sin) const {
     const auto rows = static_cast<int64_t>(keys.size());
+    TORCH_CHECK(more_cos.size() == more_sin.size(), "one sin_signed per cos");
+    std::vector<torch::Tensor> coss{cos}, sins{sin_signed};  // the rotary tables at each row's positions, by index
+    coss.insert(coss.end(), more_cos.begin(), more_cos.end());
+    sins.insert(sins.end(), more_sin.begin(), more_sin.end());
+    for (const auto& w : layers_) TORCH_CHECK(w.rope < static_cast<int64_t>(coss.size()), "run: a layer's rotary table is missing");
     TORCH_CHECK(static_cast<int64_t>(values.size()) == rows && static_cast<int64_t>(starts.size()) == rows &&
                     static_cast<int64_t>(n_new.size()) == rows && static_cast<int64_t>(scored.size()) == rows,
                 "one key buffer, value buffer, start, count of new and of scored tokens per row");
     TORCH_CHECK(x.dim() == 3 && x.size(0) == rows, "x must be (rows, n, D)");
     const Trees tails = tree_tails(trees, starts, n_new, scored);
     TORCH_CHECK(tails.empty() || all_alone(n_new, scored), "token trees in the C++ loop: every query attends alone");
+    for (const auto& w : layers_) TORCH_CHECK(tails.empty() || w.window == 0, "token trees in the C++ loop: no window");
+    bool dense = true;
+    for (size_t r = 0; r < coss.size(); ++r) dense = dense && coss[r].stride(3) == 1 && sins[r].stride(3) == 1;
     const int64_t count = n_layers < 0 ? size() : std::min(n_layers, size());
     std::vector<torch::Tensor> kept;
     c10::InferenceMode guard;
-    if (raw_ && all_alone(n_new, scored) && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-        cos.stride(3) == 1 && sin_signed.stride(3) == 1)
-      return {run_raw(x, cos, sin_signed, keys, values, starts, n_new, tails, count, capture, kept), kept};
+    if (raw_ && all_alone(n_new, scored) && x.is_contiguous() && x.scalar_type() == at::kFloat && dense)
+      return {run_raw(x, coss, sins, keys, values, starts, n_new, tails, count, capture, kept), kept};
     // x is this call's own (the embedding's gather): added to in place until a layer's output is kept
     bool shared = false;
     for (int64_t i = 0; i < count; ++i) {
       const Layer& w = layers_[i];
-      auto a = attention(i, norm(x, w.in_norm), cos, sin_signed, keys, values, starts, n_new, scored, tails);
+      auto a = attention(i, norm(x, w.in_norm), coss[w.rope], sins[w.rope], keys, values, starts, n_new, scored, tails);
       x = shared ? x + a : x.add_(a);
       auto m = mlp(x, w);
       x = shared ? x + m : x.add_(m);
@@ -664,7 +704,7 @@ class Stack {
   // on the same values (RMSNorm and the products into buffers, the attention through `attend_alone`, the residual
   // adds in place, SiLU and its product through ATen on views of the buffers), without a tensor a layer: one
   // workspace for every layer.
-  torch::Tensor run_raw(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+  torch::Tensor run_raw(torch::Tensor x, const std::vector<torch::Tensor>& coss, const std::vector<torch::Tensor>& sins,
                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                         const std::vector<int64_t>& starts, const std::vector<int64_t>& n_new, const Trees& tails,
                         int64_t count, const std::vector<int64_t>& capture, std::vector<torch::Tensor>& kept) const {
@@ -689,15 +729,21 @@ class Stack {
       const Layer& w = layers_[i];
       rms_norm_into(px, w.in_norm.data_ptr<float>(), h, T, D, eps_);
       w.qkv.into(h, T, qkv);
+      heads_extras(w, qkv, T);
       if (rows > 1) std::fill(att, att + T * heads, 0.0f);  // padding positions (as `attention_alone`'s zeros)
-      attend_alone(i, qkv, rows, n, cos, sin_signed, keys, values, starts, n_new, tails, qbuf, att);
+      attend_alone(i, qkv, rows, n, coss[w.rope], sins[w.rope], keys, values, starts, n_new, tails, qbuf, att);
       w.o.into(att, T, y);
+      if (w.attn_out_norm.defined()) rms_norm_into(y, w.attn_out_norm.data_ptr<float>(), y, T, D, eps_);
       for (int64_t j = 0; j < T * D; ++j) px[j] += y[j];
       rms_norm_into(px, w.post_norm.data_ptr<float>(), h, T, D, eps_);
       w.gate_up.into(h, T, gu);
-      at::silu_out(act_t, halves[0]);
+      if (gelu_)
+        at::gelu_out(act_t, halves[0], "tanh");
+      else
+        at::silu_out(act_t, halves[0]);
       at::mul_out(act_t, act_t, halves[1]);
       w.down.into(act, T, y);
+      if (w.mlp_out_norm.defined()) rms_norm_into(y, w.mlp_out_norm.data_ptr<float>(), y, T, D, eps_);
       for (int64_t j = 0; j < T * D; ++j) px[j] += y[j];
       for (int64_t c : capture)
         if (c == i) kept.push_back(x.clone());
@@ -709,9 +755,30 @@ class Stack {
     return rms_norm_rows(x, weight, eps_);
   }
 
+  // A layer's bias on q|k|v and RMSNorms of each head of q and k, in place on T dense rows of q|k|v (as the Python
+  // loop adds the bias and normalizes those heads: the same operations, so the same bits).
+  void heads_extras(const Layer& w, float* qkv, int64_t T) const {
+    const int64_t width = (n_heads_ + 2 * n_kv_) * head_dim_;
+    if (w.qkv_bias.defined()) {
+      const float* pb = w.qkv_bias.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < width; ++j) qkv[t * width + j] += pb[j];
+    }
+    if (w.q_norm.defined()) {
+      const float* pq = w.q_norm.data_ptr<float>();
+      const float* pk = w.k_norm.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qkv + t * width;
+        rms_norm_into(row, pq, row, n_heads_, head_dim_, eps_);
+        rms_norm_into(row + n_heads_ * head_dim_, pk, row + n_heads_ * head_dim_, n_kv_, head_dim_, eps_);
+      }
+    }
+  }
+
   torch::Tensor mlp(const torch::Tensor& x, const Layer& w) const {
     auto halves = w.gate_up.mm(norm(x, w.post_norm)).chunk(2, -1);
-    return w.down.mm(at::silu(halves[0]) * halves[1]);
+    auto out = w.down.mm((gelu_ ? at::gelu(halves[0], "tanh") : at::silu(halves[0])) * halves[1]);
+    return w.mlp_out_norm.defined() ? norm(out, w.mlp_out_norm) : out;
   }
 
   // `defaults.attention_block_end`: the end of the prompt block holding a position (multiples of fine_, which
@@ -724,13 +791,29 @@ class Stack {
   // `exact_attention`: the leading n - solo queries in causal blocks ending at `block_end`, then each of the last
   // `solo` queries alone; a query alone attends through attend_one (as `llama.one_query` does).
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                                int64_t start, int64_t solo, bool gqa) const {
+                                int64_t start, int64_t solo, bool gqa, int64_t window) const {
     const int64_t n = q.size(2), lead = n - solo;
     std::vector<torch::Tensor> parts;
+    const bool scored = window > 0 || scale_ > 0;  // a family's own attention (`llama.scored_attention`'s)
+    // one query ending at `end`: over the keys its window holds, with the family's scale
+    const auto one = [&](const torch::Tensor& qj, int64_t end) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      return attend_one(qj, keys.slice(2, lo), values.slice(2, lo), end - lo, scale_);
+    };
     for (int64_t a = 0; a < lead;) {
       const int64_t b = std::min(lead, block_end(start + a) - start);
       if (b - a == 1) {
-        parts.push_back(attend_one(q.slice(2, a, b), keys, values, start + b, 0.0));
+        parts.push_back(one(q.slice(2, a, b), start + b));
+      } else if (scored) {
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, start + a - window + 1) : 0, end = start + b;
+        const auto kpos = at::arange(lo, end, q.options().dtype(at::kLong)).unsqueeze(0);
+        const auto qpos = at::arange(start + a, end, q.options().dtype(at::kLong)).unsqueeze(1);
+        auto mask = kpos <= qpos;
+        if (window > 0) mask = mask & (kpos > qpos - window);
+        const auto kt = keys.slice(2, lo, end).to(q.scalar_type());
+        const auto vt = values.slice(2, lo, end).to(q.scalar_type());
+        const std::optional<double> sc = scale_ > 0 ? std::optional<double>(scale_) : std::nullopt;
+        parts.push_back(at::scaled_dot_product_attention(q.slice(2, a, b), kt, vt, mask, 0.0, false, sc, gqa));
       } else {
         auto mask = at::ones({b - a, start + b}, q.options().dtype(at::kBool)).tril(start + a);
         // a float16 cache's keys and values as float32 (exactly), as the Python loop converts them
@@ -740,8 +823,7 @@ class Stack {
       }
       a = b;
     }
-    for (int64_t j = lead; j < n; ++j)
-      parts.push_back(attend_one(q.slice(2, j, j + 1), keys, values, start + j + 1, 0.0));
+    for (int64_t j = lead; j < n; ++j) parts.push_back(one(q.slice(2, j, j + 1), start + j + 1));
     return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
   }
 
@@ -763,14 +845,16 @@ class Stack {
                                 const std::vector<int64_t>& n_new, const Trees& tails) const {
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_, Hq = n_heads_;
     const Layer& w = layers_[i];
-    const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width)
+    const auto qkv = w.qkv.mm(h).contiguous();  // (rows, n, width), this call's own
     TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.stride(3) == 1 && sin_signed.stride(3) == 1,
                 "attention_alone: float32, dense rotary rows");
+    heads_extras(w, qkv.data_ptr<float>(), rows * n);
     auto qbuf = at::empty({rows, n, Hq, hd}, qkv.options());
     auto out = rows > 1 ? at::zeros({rows, n, Hq, hd}, qkv.options()) : at::empty({rows, n, Hq, hd}, qkv.options());
     attend_alone(i, qkv.data_ptr<float>(), rows, n, cos, sin_signed, keys, values, starts, n_new, tails,
                  qbuf.data_ptr<float>(), out.data_ptr<float>());
-    return w.o.mm(out.view({rows, n, Hq * hd}));
+    auto y = w.o.mm(out.view({rows, n, Hq * hd}));
+    return w.attn_out_norm.defined() ? norm(y, w.attn_out_norm) : y;
   }
 
   // The attention of layer i where every new query attends alone, from its qkv rows src (rows, n, width) on raw
@@ -865,17 +949,19 @@ class Stack {
         for (int64_t t = 0; t < n_new[b]; ++t) {
           const bool node = t < static_cast<int64_t>(rt.size()) && !rt[t].empty();
           const int64_t end = node ? starts[b] + chain : starts[b] + t + 1;  // a node: the cache and the chain,
+          // (a window: the keys [lo, end) it holds; trees never meet windows here, see `run`)
+          const int64_t lo = layers_[i].window > 0 ? std::max<int64_t>(0, end - layers_[i].window) : 0;
           const int64_t n_tail = node ? static_cast<int64_t>(rt[t].size()) : 0;  // then its tail
           // one item a key head's query heads (consecutive in qd and od): attended together where attend_heads
           // applies, else one by one
           const int64_t head = kv * group;
-          items.push_back(Item{kd, vd, kt, vt, kh, vh, end, qd + ((b * n + t) * Hq + head) * hd,
+          items.push_back(Item{kd + lo * kt, vd + lo * vt, kt, vt, kh, vh, end - lo, qd + ((b * n + t) * Hq + head) * hd,
                                od + ((b * n + t) * Hq + head) * hd, node ? rt[t].data() : nullptr, n_tail, kv});
-          longest = std::max(longest, end + n_tail);
+          longest = std::max(longest, end - lo + n_tail);
         }
     }
     const int64_t padded = (longest + 7) / 8 * 8;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const float scale = scale_ > 0 ? scale_ : 1.0f / std::sqrt(static_cast<float>(hd));
     const auto count = static_cast<int64_t>(items.size());
     const int64_t grain =
         std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * hd * longest * group));
@@ -915,7 +1001,9 @@ class Stack {
     if (all_alone(n_new, scored)) return attention_alone(i, h, cos, sin_signed, keys, values, starts, n_new, tails);
     const int64_t rows = h.size(0), n = h.size(1), hd = head_dim_;
     const Layer& w = layers_[i];
-    auto heads = w.qkv.mm(h).view({rows, n, -1, hd}).transpose(1, 2);  // (B, Hq + 2 Hkv, n, hd)
+    auto qkv = w.qkv.mm(h).contiguous();  // (B, n, width), this call's own
+    heads_extras(w, qkv.data_ptr<float>(), rows * n);
+    auto heads = qkv.view({rows, n, -1, hd}).transpose(1, 2);  // (B, Hq + 2 Hkv, n, hd)
     auto qk = rope_heads(heads.slice(1, 0, n_heads_ + n_kv_), cos, sin_signed);
     auto q = qk.slice(1, 0, n_heads_), k = qk.slice(1, n_heads_);
     auto v = heads.slice(1, n_heads_ + n_kv_);
@@ -929,13 +1017,14 @@ class Stack {
       layer_values.slice(1, start, start + count).copy_(v.select(0, b).slice(1, 0, count));
       const int64_t solo = exact_rows_ && count > 1 ? std::min(scored[b], count) : 0;
       auto one = exact_attention(q.slice(0, b, b + 1).slice(2, 0, count), layer_keys.unsqueeze(0),
-                                 layer_values.unsqueeze(0), start, solo, gqa);
+                                 layer_values.unsqueeze(0), start, solo, gqa, w.window);
       if (rows == 1)
         out = one;
       else
         out.slice(0, b, b + 1).slice(2, 0, count).copy_(one);
     }
-    return w.o.mm(out.transpose(1, 2).reshape({rows, n, n_heads_ * hd}));
+    auto y = w.o.mm(out.transpose(1, 2).reshape({rows, n, n_heads_ * hd}));
+    return w.attn_out_norm.defined() ? norm(y, w.attn_out_norm) : y;
   }
 
   int64_t n_heads_, n_kv_, head_dim_;
@@ -944,6 +1033,8 @@ class Stack {
   bool exact_rows_;
   std::vector<Layer> layers_;
   bool raw_ = true;  // every layer's products write into buffers (`run_raw`)
+  bool gelu_ = false;  // GeGLU rather than SwiGLU
+  float scale_ = 0.0f;  // the attention's scale (0: 1/sqrt(head size))
 };
 
 }  // namespace
@@ -975,11 +1066,15 @@ void register_step(pybind11::module& m) {
            py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("chunk"), py::arg("fine"),
            py::arg("exact_rows"))
       .def("add_layer", &Stack::add_layer)
+      .def("set_family", &Stack::set_family, py::arg("gelu"), py::arg("scale"))
+      .def("set_extras", &Stack::set_extras, py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("attn_out_norm"), py::arg("mlp_out_norm"), py::arg("window"), py::arg("rope"))
       .def("__len__", &Stack::size)
       .def_property_readonly("raw", &Stack::raw,
                              "whether its layers run on buffers where every query attends alone (run_raw)")
       .def("run", &Stack::run, py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),
            py::arg("values"), py::arg("starts"), py::arg("n_new"), py::arg("scored"), py::arg("n_layers"),
            py::arg("capture"), py::arg("trees") = std::vector<std::vector<int64_t>>{},
+           py::arg("more_cos") = std::vector<torch::Tensor>{}, py::arg("more_sin") = std::vector<torch::Tensor>{},
            py::call_guard<py::gil_scoped_release>());
 }

@@ -24,8 +24,9 @@ from specdec.defaults import (
     default_prophet_for,
     default_target,
 )
+from specdec.heap import trim_heap
 from specdec.int4 import INT4, attach_int4
-from specdec.llama import supports, trim_heap
+from specdec.llama import supports
 from specdec.policy import make_policy
 from specdec.wiring import (
     build_prophets,

@@ -38,8 +38,9 @@ from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
 from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
+from specdec.heap import trim_heap
 from specdec.kchoice import KChoice
-from specdec.llama import BatchLlama, trim_heap
+from specdec.llama import BatchLlama
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache

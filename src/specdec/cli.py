@@ -406,7 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from specdec.llama import one_heap
+    from specdec.heap import one_heap
     from specdec.server import ServerConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 KV_DTYPES = ("auto", "float32", "float16")  # what a lean model's KV cache holds (`llama.kv_dtype_for`)
-HEAPS = ("auto", "one", "per-thread")  # a server's C heaps (SPECDEC_HEAPS, `llama.one_heap`): auto is one
+HEAPS = ("auto", "one", "per-thread")  # a server's C heaps (SPECDEC_HEAPS, `heap.one_heap`): auto is one
 
 
 def choice(variable: str, choices: tuple[str, ...], given: str | None = None, name: str | None = None) -> str:

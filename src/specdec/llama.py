@@ -24,10 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec import families, layerloop, qgemm
-from specdec.defaults import HEAPS, KV_DTYPES, PREFILL_CHUNK, attention_block_end, choice
+from specdec.attention import Scores, exact_attention, one_query, scored_attention
+from specdec.defaults import KV_DTYPES, PREFILL_CHUNK, choice
+from specdec.heap import TRIM_BYTES
 from specdec.int4 import ATTR as INT4_ATTR
 from specdec.int4 import Int4Weight, int4_row_policy
 from specdec.lm import tree_depths, tree_layout
+from specdec.rowpolicy import row_policy_for, row_product
 
 
 class Int8Weight:
@@ -69,85 +72,6 @@ def supports(model: Any) -> bool:
     return families.supports(model)
 
 
-def row_bucket(m: int) -> int:
-    """The row count a product of m rows is padded to: m itself up to 16, then 8 buckets per
-    doubling (18, 20, .., 32, 36, .., 64, 72, ..), so padding stays under 1/8 of the rows."""
-    if m <= 16:
-        return m
-    step = 1 << ((m - 1).bit_length() - 4)
-    return -(-m // step) * step
-
-
-# How the rows of a reduced-precision product are padded so that each row's result never
-# depends on how many rows share the product (speculative verification scores K+1 rows at
-# once where plain decoding scores one; a batch scores many requests' rows together):
-#   "min2":  at least 2 rows (then row_bucket). CPUs that compute bf16 natively (avx512_bf16,
-#            AMX) run a 1-row product on another kernel, whose reduction order differs: on an
-#            AMD EPYC with avx512_bf16, SmolLM2's down projection rounds ~6% of single rows
-#            differently, and greedy speculative bf16 output left plain bf16 decoding on 7 of
-#            10 chat prompts. From 2 rows up every row count gives the same bits there.
-#   "tile16": a multiple of 16 rows. Kernels that emulate bf16 (AVX-512 without bf16) change
-#            a row's bits with the row count unless every product is whole 16-row tiles.
-#   "none":  any row count gives the same bits (e.g. AVX2 kernels).
-#   "chunk16": whole 16-row tiles, each its own product. AMX kernels (Intel Xeon with amx_bf16)
-#            round rows of a 48-row product unlike those of a 16-row one, on every SmolLM2 shape.
-ROW_POLICIES = ("none", "min2", "tile16", "chunk16")
-_ROW_POLICY: dict[tuple[Any, ...], str] = {}  # probed once per (dtype, weight shapes, device)
-
-
-def padded_rows(m: int, policy: str) -> int:
-    """The row count a product of m rows runs at under a row policy (see ROW_POLICIES)."""
-    if policy in ("tile16", "chunk16"):
-        return -(-row_bucket(m) // 16) * 16
-    if policy == "min2":
-        return max(2, row_bucket(m))
-    return row_bucket(m)
-
-
-def probe_row_policy(weights: Sequence[torch.Tensor], sizes: Sequence[int] = (1, 2, 3, 5, 9, 16, 17, 24, 33, 40),
-                     rows: int = 96) -> str:
-    """The cheapest row policy under which every row of a product of these weights has the
-    same bits whatever the row count (checked on random rows against whole 16-row tiles, on
-    this machine's kernels); "chunk16" (which is the reference) if no cheaper one holds."""
-    gen = torch.Generator().manual_seed(0)
-    for policy in ROW_POLICIES[:-1]:
-        if all(_rows_invariant(w, policy, sizes, rows, gen) for w in weights):
-            return policy
-    return "chunk16"
-
-
-def row_product(flat: torch.Tensor, weight: torch.Tensor, policy: str) -> torch.Tensor:
-    """flat (m, D) @ weight.T with its rows run as the row policy says (see ROW_POLICIES)."""
-    m = flat.shape[0]
-    padded = padded_rows(m, policy)
-    if padded != m:
-        flat = F.pad(flat, (0, 0, 0, padded - m))
-    if policy == "chunk16" and padded > 16:
-        return torch.cat([flat[s : s + 16] @ weight.T for s in range(0, padded, 16)])[:m]
-    return (flat @ weight.T)[:m]
-
-
-@torch.inference_mode()
-def _rows_invariant(weight: torch.Tensor, policy: str, sizes: Sequence[int], rows: int,
-                    gen: torch.Generator) -> bool:
-    x = (torch.randn(rows, weight.shape[1], generator=gen) * 2).to(weight.dtype).to(weight.device)
-    reference = torch.cat([F.pad(x[s : s + 16], (0, 0, 0, 16 - len(x[s : s + 16]))) @ weight.T
-                           for s in range(0, rows, 16)])[:rows]
-    for m in sizes:
-        n = rows - rows % m
-        for s in range(0, n, m):
-            block = x[s : s + m]
-            got = row_product(block, weight, policy)
-            if not torch.equal(got, reference[s : s + m]):
-                return False
-    return True
-
-
-def causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """New token j sees the cache and the new tokens up to itself. (n, start+n) or None for n == 1."""
-    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
-
-
 def grown_capacity(positions: int, initial: int, max_length: int) -> int:
     """The size of a KV buffer that must hold `positions`: the initial capacity, doubled as
     often as needed, at most the context. Every lean cache grows so."""
@@ -174,104 +98,6 @@ def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
     if want == "auto":
         return torch.float16 if lm.int4 and lm.embed.device.type == "cpu" else torch.float32
     return torch.float16 if want == "float16" else torch.float32
-
-
-class Scores(NamedTuple):
-    """How a family's attention differs from softmax(q k^T / sqrt(head dim)) over every earlier
-    key (`specdec.families.Arch`): its scale, soft-capping of the scores, sliding window (the
-    keys a query sees, itself included). Attention with one runs in PyTorch (`scored_attention`)."""
-
-    scale: float  # 0: 1/sqrt(head dim), as Llama's (and the kernels' default, computed alike)
-    softcap: float | None
-    window: int | None
-
-
-def scored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int,
-                     scores: Scores, gqa: bool, positions: torch.Tensor | None = None,
-                     key_positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Queries q (1, Hq, m, hd) at positions start.. (or `positions`) over keys/values [0, end) of
-    (1, Hkv, >= end, hd) at positions 0.. (or `key_positions`), causally (or as `mask` (m, end)
-    allows), within the window, with the family's scale and soft-cap. Returns (1, Hq, m, hd).
-    Without soft-capping as Llama's attention runs (one query: `attend_one` over the window's keys,
-    with the family's scale; several: PyTorch's, under the window's mask); with it in PyTorch
-    (scores in q's dtype, softmax in float32, as transformers' eager attention computes them)."""
-    m = q.shape[2]
-    lo = 0
-    if scores.window is not None and key_positions is None and positions is None:
-        lo = max(0, start - scores.window + 1)  # keys no query of these sees
-    plain = scores.softcap is None and mask is None
-    if plain and m == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
-        ext = layerloop.kernels()
-        if ext is not None:
-            return ext.attend_one(q, keys[:, :, lo:], values[:, :, lo:], end - lo,  # type: ignore[no-any-return]
-                                  scores.scale)
-    qpos = positions if positions is not None else torch.arange(start, start + m, device=q.device)
-    kpos = key_positions if key_positions is not None else torch.arange(lo, end, device=q.device)
-    allowed = mask[:, lo:end] if mask is not None else kpos[None, :] <= qpos[:, None]
-    if scores.window is not None:
-        allowed = allowed & (kpos[None, :] > qpos[:, None] - scores.window)
-    k, v = keys[:, :, lo:end].to(q.dtype), values[:, :, lo:end].to(q.dtype)
-    if plain:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scores.scale or None, enable_gqa=gqa)
-    if gqa:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    s = (q @ k.transpose(-1, -2)) * (scores.scale or q.shape[-1] ** -0.5)  # (1, Hq, m, end - lo)
-    if scores.softcap is not None:
-        s = torch.tanh(s / scores.softcap) * scores.softcap
-    s = s.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
-
-
-def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, solo: int,
-                    gqa: bool, chunk: int = PREFILL_CHUNK, scores: Scores | None = None) -> torch.Tensor:
-    """Attention of one sequence's n new queries q (1, Hq, n, hd) at positions start.. over its
-    cache keys/values (1, Hkv, >= start+n, hd): the leading n - solo queries under a causal
-    mask, in blocks that end where `defaults.attention_block_end` says (multiples of `chunk`
-    positions, and of FINE_BLOCK within the first chunk: a long prompt never builds an n x n
-    score matrix, and a prompt fed whole or from any block's end attends alike), then each of
-    the last `solo` queries alone, exactly as a one-token step attends (in bfloat16 attention
-    over several queries at once rounds differently). Every lean path (FastLlamaLM, each row
-    of BatchLlama) attends through here, so a row's scores never depend on how many tokens or
-    rows share its pass. scores: a family's own scale, soft-cap or window (`Scores`), else
-    Llama's. Returns (1, Hq, n, hd)."""
-    n = q.shape[2]
-    lead = n - solo
-    parts = []
-    a = 0
-    while a < lead:  # block [a, b) of the leading queries, b at the next block's end
-        b = min(lead, attention_block_end(start + a, chunk) - start)
-        if b - a == 1:
-            parts.append(one_query(q[:, :, a:b], keys, values, start + b, gqa, scores))
-        elif scores is not None:
-            parts.append(scored_attention(q[:, :, a:b], keys, values, start + a, start + b, scores, gqa))
-        else:
-            parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :start + b].to(q.dtype),
-                                                        values[:, :, :start + b].to(q.dtype),
-                                                        attn_mask=causal_mask(b - a, start + a, q.device),
-                                                        enable_gqa=gqa))
-        a = b
-    parts += [one_query(q[:, :, j:j + 1], keys, values, start + j + 1, gqa, scores) for j in range(lead, n)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one part (a one-token step): no copy
-
-
-def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, gqa: bool,
-              scores: Scores | None = None) -> torch.Tensor:
-    """One query q (1, Hq, 1, hd) over the first `end` keys/values (1, Hkv, >= end, hd): the
-    extension's `attend_one` (float32 on the CPU, where it builds; measured on a 2-core AMD EPYC
-    with AVX2, 9 query heads over 3 key heads of 64: 13-17 us against PyTorch's 26-37 at 64 keys,
-    149 against 188 at 1,024, 590 against 685 at 4,096), else PyTorch's attention. Every query that
-    attends alone (a one-token step, a scored query of a verification pass, a token tree's node)
-    attends here or, in the C++ loop, through the same `attend_one`: steps and passes attend alike.
-    scores: a family's own (`Scores`): then `scored_attention`, alike for steps and passes."""
-    if scores is not None:
-        return scored_attention(q, keys, values, end - 1, end, scores, gqa)
-    if q.dtype == torch.float32 and q.device.type == "cpu":
-        ext = layerloop.kernels()
-        if ext is not None:
-            return ext.attend_one(q, keys, values, end)  # type: ignore[no-any-return]
-    return F.scaled_dot_product_attention(q, keys[:, :, :end].to(q.dtype), values[:, :, :end].to(q.dtype),
-                                          enable_gqa=gqa)
 
 
 class LlamaWeights:
@@ -363,9 +189,7 @@ class LlamaWeights:
         key = (self.embed.dtype, str(self.device), *(tuple(w.shape) for w in weights))
         if not weights:  # all 4-bit: see int4_rows
             return "none"
-        if key not in _ROW_POLICY:
-            _ROW_POLICY[key] = probe_row_policy(weights)
-        return _ROW_POLICY[key]
+        return row_policy_for(key, weights)
 
     def _probe_int4_rows(self) -> str:
         layer = self.layers[0]
@@ -462,59 +286,6 @@ class _Tree(NamedTuple):
     mask: torch.Tensor
     node_keys: list[torch.Tensor]
     where: torch.Tensor  # the positions of the row's new tokens (nodes at chain end + depth)
-
-
-TRIM_BYTES = 8 << 20  # a freed slot this large is handed back to the system (see trim_heap)
-
-
-def _libc() -> Any:
-    """glibc, for its allocator's controls (False elsewhere: then those do nothing)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing
-    elsewhere). After a long request the allocator would otherwise keep its pages."""
-    if _libc():
-        _LIBC.malloc_trim(0)
-
-
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def one_heap() -> bool:
-    """Every thread created from now on allocates from the main heap (glibc's M_ARENA_MAX 1; where
-    the allocator is not glibc's, nothing): for a server, before it loads anything. With an arena
-    per thread (the scheduler's, OpenMP's workers), a long prompt's passes left 50-60 MiB of some
-    arena's pages pinned by small live blocks that no trim could return; one heap returns them, at
-    the same decoding speed on 2 cores. SPECDEC_HEAPS=per-thread keeps glibc's default. Whether it was set."""
-    if choice("SPECDEC_HEAPS", HEAPS) == "per-thread":
-        return False
-    return bool(_libc()) and _LIBC.mallopt(M_ARENA_MAX, 1) == 1
-
-
-_LIBC: Any = None
-
-
-def release_load_memory() -> None:
-    """What loading (or measuring) left behind handed back to the system: its cycles collected and
-    the C heap's free pages returned (reading SmolLM2's GGUF file leaves ~100 MiB of freed copies in
-    the heap, which a process would otherwise keep until a long request's end trims it)."""
-    import gc
-
-    gc.collect()
-    trim_heap()
 
 
 class BatchLlama(LlamaWeights):
@@ -813,113 +584,3 @@ class BatchLlama(LlamaWeights):
         if self.arch.final_softcap is not None:
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits, hidden.float(), fused
-
-
-class FastLlamaLM:
-    """One sequence as a `specdec.lm.CausalLM`, on the one Llama path there is: slot 0 of a
-    one-slot `BatchLlama`, with the sequence's tokens kept here. Draft models run row by
-    row through it where a prophet has no batched path, training reads features through it,
-    and the decoder holds its target as one; every product, attention and exactness rule
-    (`exact_rows`: in bf16 and int4 the scored rows attend as one-token steps) is
-    BatchLlama's. Every attribute of the weights (`model`, `layers`, `int4`, ...) reads
-    through to it."""
-
-    INITIAL_CAPACITY = 256  # KV positions allocated up front (grows by doubling)
-    offers_hidden = True  # forward_features: logits and the last hidden states
-
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32, rows: BatchLlama | None = None,
-                 kv_dtype: str | torch.dtype | None = None) -> None:
-        """int8: the same weights quantized to int8 per output row (weight-only; activations in
-        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
-        from the float weights (never from a model's 4-bit ones). rows: a one-slot view of
-        weights already read (`fresh`)."""
-        self.rows = rows if rows is not None else BatchLlama(model, name, 1, vocab_size, int8=int8,
-                                                             act_dtype=act_dtype, kv_dtype=kv_dtype)
-        # The KV buffer grows with the request (doubling, up to the context), instead of being
-        # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
-        self.rows._reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))
-        self.tokens: list[int] = []
-        self.last_hidden = torch.zeros(0)
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "rows":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(attr)
-        return getattr(self.rows, attr)
-
-    @property
-    def capacity(self) -> int:
-        """KV positions currently allocated."""
-        k = self.rows.k_slots[0]
-        return 0 if k is None else int(k.shape[2])
-
-    @property
-    def forward_calls(self) -> int:
-        return self.rows.forward_calls
-
-    @forward_calls.setter
-    def forward_calls(self, n: int) -> None:
-        self.rows.forward_calls = n
-
-    def _pass(self, ids: Sequence[int], n_logits: int, layers: int | None = None, head: bool = True,
-              parents: Sequence[int] | None = None) -> torch.Tensor:
-        logits, hidden = self.rows.forward_features([0], [len(self.tokens)], [list(ids)], [n_logits], layers, head,
-                                                    trees=[parents] if parents is not None else None)
-        self.tokens.extend(ids)
-        self.last_hidden = hidden[0]
-        return logits[0]
-
-    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
-        """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
-        return self._pass(new_ids, n_logits)
-
-    def embeddings(self) -> torch.Tensor:
-        return self.rows.embed
-
-    def head(self) -> torch.Tensor:
-        """The head's float weights (V, D) (with dtype int4, those transformers de-quantized)."""
-        if isinstance(self.rows.lm_head, torch.Tensor):
-            return self.rows.lm_head
-        return self.rows.model.lm_head.weight[: self.rows.vocab_size]
-
-    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `forward`, also returning the last hidden states (n_logits, D), after the final norm."""
-        logits = self._pass(new_ids, n_logits)
-        return logits, self.last_hidden
-
-    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
-        """Self-speculation: new_ids through the first `layers` layers and the model's own head,
-        logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
-        tokens, where the next full pass overwrites them: end_early_exit truncates back."""
-        return self._pass(new_ids, 1, layers)[0]
-
-    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
-        """As early_exit, but what the head would read instead of logits: the final norm of
-        the first `layers` layers' output, (n_last, D) for the last n_last new ids."""
-        self._pass(new_ids, n_last, layers, head=False)
-        return self.last_hidden
-
-    def end_early_exit(self, committed: int) -> None:
-        self.truncate(committed)
-
-    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
-                     tree_parents: Sequence[int]) -> torch.Tensor:
-        """new_ids (a chain) then a token tree in one pass; logits (1 + N, V) after the chain's
-        last token and after each node. Nodes sit at position (chain end + depth) and see
-        only their ancestors."""
-        return self._pass(list(new_ids) + list(tree_tokens), len(tree_tokens) + 1, parents=tree_parents)
-
-    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
-        """Move the accepted path's cache entries next to the committed ones, drop the rest."""
-        base = len(self.tokens) - len(tree_tokens)
-        self.rows.keep_path(0, base, path)
-        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
-
-    def truncate(self, n: int) -> None:
-        del self.tokens[n:]
-
-    def fresh(self) -> FastLlamaLM:
-        """Another view of the same (fused, possibly quantized) weights with an empty cache of
-        its own: nothing is fused or quantized again."""
-        return FastLlamaLM(self.rows.model, self.rows.name, rows=self.rows.view(1))
-

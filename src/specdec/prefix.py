@@ -5,7 +5,7 @@ or a document).
 
 Exactness. A prompt's leading positions attend in blocks whose ends
 `defaults.attention_block_end` gives (multiples of the target's attention chunk, and of
-`FINE_BLOCK` within the first chunk: `llama.exact_attention`), and every product computes
+`FINE_BLOCK` within the first chunk: `attention.exact_attention`), and every product computes
 each row alone (the same bits at any row count), so the keys and values at positions [0, L)
 depend on tokens [0, L) only, whenever L is such an end. The cache keeps exactly such
 prefixes: blocks between consecutive ends (8 positions within the first chunk, so that a

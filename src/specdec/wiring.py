@@ -159,7 +159,8 @@ def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | Non
 def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto", kv_dtype: str | None = None) -> Any:
     """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's.
     kv_dtype: the lean path's KV cache (`specdec.llama.kv_dtype_for`; transformers keeps its own)."""
-    from specdec.llama import FastLlamaLM, supports
+    from specdec.llama import supports
+    from specdec.sequence import FastLlamaLM
 
     if backend not in ("auto", "hf", "fast"):
         raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
@@ -301,8 +302,9 @@ def _layerskip(part: str, w: Wiring) -> Prophet:
 def _int8(part: str, w: Wiring) -> Prophet:
     """A compressed copy of a model (the target itself when it is named) with int8 weights
     and its own KV cache, drafting for the full-precision target."""
-    from specdec.llama import FastLlamaLM, supports
+    from specdec.llama import supports
     from specdec.prophets.model import ModelProphet
+    from specdec.sequence import FastLlamaLM
 
     name = part[: -len(":int8")]
     if name == w.target.name:
@@ -349,8 +351,8 @@ def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:
 def _eagle3(part: str, w: Wiring) -> Prophet:
     """An EAGLE-3-style prophet (models/smollm2-eagle3): one decoder layer over the target's
     fused features; it needs the lean Llama path (whose passes keep those features)."""
-    from specdec.llama import FastLlamaLM
     from specdec.prophets.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
+    from specdec.sequence import FastLlamaLM
 
     net, vocab_ids, cfg = load_eagle3(Path(part))
     target = w.target
@@ -443,9 +445,10 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine
-    from specdec.llama import FastLlamaLM, supports
+    from specdec.llama import supports
     from specdec.prophets.combine import combined
     from specdec.rows import BatchLM, RowsLM
+    from specdec.sequence import FastLlamaLM
 
     lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
     # a plain Llama on the lean path scores its rows in one batched pass; any other model

@@ -15,14 +15,15 @@ from specdec.batch import BatchEngine, BatchLlama
 from specdec.certify import goodness_of_fit
 from specdec.costmodel import Costs
 from specdec.coststore import measure, measure_rows
-from specdec.llama import FastLlamaLM, row_bucket
 from specdec.policy import AutoPolicy
 from specdec.prophets.combine import FirstProphet
 from specdec.prophets.model import ModelProphet
 from specdec.prophets.ngram import NgramProphet
 from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verify_rows_reference
 from specdec.request import Request
+from specdec.rowpolicy import row_bucket
 from specdec.sampling import SamplingParams
+from specdec.sequence import FastLlamaLM
 from specdec.toy import MarkovLM, sequence_distribution
 from tests.helpers import ALPHA
 

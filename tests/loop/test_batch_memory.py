@@ -142,7 +142,7 @@ def test_one_heap_is_set_unless_per_thread_is_asked_and_a_bad_value_is_an_error(
     """`specdec serve` (and each replica) calls one_heap before loading; glibc takes M_ARENA_MAX 1."""
     import ctypes.util
 
-    from specdec.llama import one_heap
+    from specdec.heap import one_heap
 
     monkeypatch.setenv("SPECDEC_HEAPS", "per-thread")
     assert one_heap() is False
@@ -156,11 +156,11 @@ def test_one_heap_is_set_unless_per_thread_is_asked_and_a_bad_value_is_an_error(
 def test_serve_sets_one_heap_before_it_loads(monkeypatch):
     """The order matters: the model's threads are made while loading."""
     import specdec.api
-    import specdec.llama
+    import specdec.heap
     from specdec.cli import main
 
     calls: list[str] = []
-    monkeypatch.setattr(specdec.llama, "one_heap", lambda: calls.append("one_heap") or True)
+    monkeypatch.setattr(specdec.heap, "one_heap", lambda: calls.append("one_heap") or True)
 
     def load(*args, **kwargs):
         calls.append("load")

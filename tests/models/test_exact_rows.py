@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from specdec.llama import ROW_POLICIES, padded_rows, probe_row_policy, row_bucket, row_product
+from specdec.rowpolicy import ROW_POLICIES, padded_rows, probe_row_policy, row_bucket, row_product
 
 # SmolLM2-135M's product shapes: qkv, o, gate_up, down, and a slice of the head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
@@ -19,7 +19,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
 CHILD = """
 import json, torch
 import torch.nn.functional as F
-from specdec.llama import padded_rows, probe_row_policy, row_product
+from specdec.rowpolicy import padded_rows, probe_row_policy, row_product
 torch.manual_seed(1)
 weights = [(torch.randn(o, i) * 0.05).to(torch.bfloat16) for o, i in %s]
 policy = probe_row_policy(weights)

@@ -11,7 +11,7 @@ import torch
 
 from specdec import families, load
 from specdec.certify import goodness_of_fit
-from specdec.llama import FastLlamaLM
+from specdec.sequence import FastLlamaLM
 from tests.helpers import ALPHA
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]

@@ -66,7 +66,7 @@ def test_a_4000_token_prompt_is_served_in_bounded_memory_while_streams_go_on(tmp
         # positions in the prefix cache (--prefix-cache, 32 MiB by default) included: what else
         # stayed was the float embedding table's pages, one per new token met (~90 MiB after
         # these prompts, now the GGUF's blocks: BlockEmbedding) and a thread's heap arena pinned
-        # by small live blocks (~55 MiB, now one heap: llama.one_heap). Nothing more after a
+        # by small live blocks (~55 MiB, now one heap: heap.one_heap). Nothing more after a
         # second long prompt.
         assert 0 < kept <= 32
         assert after - idle < 0.1 * idle, (idle, after, kept)

@@ -4,8 +4,8 @@ lowers the distillation loss from where plain early exit starts."""
 
 import torch
 
-from specdec.llama import FastLlamaLM
 from specdec.prophets.feature import FeatureHead
+from specdec.sequence import FastLlamaLM
 from specdec.train.features import _loss, _unroll, early_features, load_shards, train_head
 from specdec.wiring import load_pretrained
 

@@ -789,7 +789,7 @@ class Stack {
   }
 
   // `exact_attention`: the leading n - solo queries in causal blocks ending at `block_end`, then each of the last
-  // `solo` queries alone; a query alone attends through attend_one (as `llama.one_query` does).
+  // `solo` queries alone; a query alone attends through attend_one (as `attention.one_query` does).
   torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, int64_t solo, bool gqa, int64_t window) const {
     const int64_t n = q.size(2), lead = n - solo;

@@ -86,7 +86,8 @@ class ModelProphet(ModelSteps):
         self.draft_lm = rows
 
     def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> ModelProphet:
-        from specdec.llama import BatchLlama, FastLlamaLM
+        from specdec.llama import BatchLlama
+        from specdec.sequence import FastLlamaLM
 
         lm = self.lm
         rows: BatchLM = BatchLlama(lm.model, self.name, slots, target.vocab_size, int8=lm.int8,

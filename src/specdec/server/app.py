@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 from specdec.decoder import SpeculativeDecoder
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P, display_name
 from specdec.errors import ContextLengthError, SpecdecError
-from specdec.llama import release_load_memory
+from specdec.heap import release_load_memory
 from specdec.openmp import release_pool
 from specdec.policy import POLICIES
 from specdec.server.errors import ApiError, install_handlers

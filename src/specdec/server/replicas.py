@@ -100,7 +100,7 @@ class SpecdecReplica:
         from ray import serve
 
         from specdec.api import load
-        from specdec.llama import one_heap
+        from specdec.heap import one_heap
         from specdec.server.app import create_app
         from specdec.wiring import resolve_dtype
 

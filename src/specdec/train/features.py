@@ -104,7 +104,7 @@ def early_features(target: str, data_dir: Path, layers: int, log: Any = print) -
     from rich.console import Console
     from rich.progress import Progress
 
-    from specdec.llama import FastLlamaLM
+    from specdec.sequence import FastLlamaLM
     from specdec.wiring import load_pretrained
 
     path = data_dir / f"early-{layers}.pt"

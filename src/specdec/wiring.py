@@ -20,7 +20,7 @@ import torch
 
 from specdec.coststore import BATCH_BUDGET_S
 from specdec.errors import ModelLoadError, VocabularyMismatchError
-from specdec.lm import HFCausalLM
+from specdec.hf import HFCausalLM
 from specdec.prophets.base import Prophet
 
 

@@ -79,7 +79,7 @@ def test_early_exit_never_edits_the_models_config(tiny_pair):
     (which another request's decoder may share) keeps all its layers, during and after."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.lm import HFCausalLM
+    from specdec.hf import HFCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     lm = HFCausalLM(model, "t")

@@ -184,6 +184,16 @@ def _greedy_difference(args: argparse.Namespace) -> str:
     return f" ({what} tokens differ from plain decoding)"
 
 
+def _nothing_drafted(decoder: Any) -> str:
+    """Why speculation was plain decoding this time, for a run that drafted no token."""
+    if not decoder.prophets:
+        return "drafted 0 tokens: no prophet (--draft none), so this is plain decoding"
+    names = ", ".join(d.name for d in decoder.prophets)
+    return (f"drafted 0 tokens: {names} proposed nothing for this prompt, so this was plain decoding (prompt lookup "
+            "and retrieval draft where the text repeats; the auto policy drafts only where the measured step costs "
+            "say a draft pays)")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation in the terminal: each line on stdin is the user's next message, the answer
     streams to stdout, the whole conversation goes back each turn (read from the prefix cache up
@@ -284,6 +294,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     title = "plain decoding" if not decoder.prophets else \
         f"speculative decoding ({', '.join(d.name for d in decoder.prophets)}, policy {args.policy})"
     err.print(_stats_table(stats, title))
+    if stats.drafted == 0 and (decoder.prophets or plain is not None):
+        err.print(_nothing_drafted(decoder), markup=False)
     if plain is not None:
         base = plain.generate(**settings)
         same = _same_as_plain(args) and base.token_ids == [t for e in events for t in e.committed]

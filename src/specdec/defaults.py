@@ -148,18 +148,25 @@ def is_alias(name: str) -> bool:
     return name.lower() in SMOLLM2_ALIASES
 
 
+DEFAULT_LOOKUP = "ngram+retrieval:context"  # the prophets of a target with no trained prophet
+
+
 def default_prophet_for(target: str) -> str:
     """The measured best prophet for a target: the bundled prophet for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
-    1.11x, see CHANGELOG.md, 2026-11-30); none (plain decoding) for anything else."""
+    1.11x, see CHANGELOG.md, 2026-11-30). Any other model has no trained prophet, and drafts
+    from the request's own context with no weights (DEFAULT_LOOKUP): prompt lookup and the
+    suffix index over the context, both drafts verified as one token tree; where the context
+    does not repeat they propose nothing and every step is a plain one, and where the measured
+    step costs say a draft does not pay, auto's K leaves it out."""
     if _is_bundled(target):
         return bundled_prophet()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
         return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"
-    return "none"
+    return DEFAULT_LOOKUP
 
 
 def default_draft_tokens_for(target: str, draft: str) -> int:

@@ -311,6 +311,8 @@ def _ngram(part: str, w: Wiring) -> Prophet:
 def _retrieval(part: str, w: Wiring) -> Prophet:
     from specdec.prophets.retrieval import Datastore, RetrievalProphet, build_default_datastore, default_index_path
 
+    if part == "retrieval:context":  # each request's own context as the corpus
+        return RetrievalProphet(None, name=part)
     if w.retrieval_index is not None:
         if not Path(w.retrieval_index).exists():
             raise ValueError(f"retrieval index '{w.retrieval_index}' does not exist: "
@@ -432,8 +434,9 @@ def _is_feature_prophet(part: str) -> bool:
 for _kind in (
     ProphetKind("ngram", lambda p: p == "ngram" or p.startswith("ngram:"), _ngram,
                 "prompt lookup: continue the longest earlier match of the last tokens (ngram:N, longest N)"),
-    ProphetKind("retrieval", lambda p: p == "retrieval", _retrieval,
-                "continuations of matching text in a datastore (--retrieval-index)"),
+    ProphetKind("retrieval", lambda p: p in ("retrieval", "retrieval:context"), _retrieval,
+                "continuations of matching text in a datastore (--retrieval-index), or in the request's own "
+                "context (retrieval:context)"),
     ProphetKind("layerskip", lambda p: p == "layerskip" or p.startswith("layerskip:"), _layerskip,
                 "the target's first L layers and its own head (layerskip:L or layerskip:auto)"),
     ProphetKind("int8", lambda p: p.endswith(":int8"), _int8, "a model (the target's name: itself) with int8 weights"),

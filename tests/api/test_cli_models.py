@@ -104,12 +104,27 @@ def test_a_fault_of_specdec_itself_is_one_line_too(monkeypatch, capsys):
         main(["generate", "x"])
 
 
-def test_a_local_directory_of_another_family_generates_and_compares(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return save_family_model("gemma3", tmp_path_factory.mktemp("gemma3"))
+
+
+def test_a_local_directory_of_another_family_generates_and_compares(gemma3, capsys):
     """A tiny Gemma 3 (sliding-window layers, 8 positions) saved with save_pretrained: its
-    default prophet drafts, the greedy tokens are plain decoding's, and --compare says so."""
-    path = save_family_model("gemma3", tmp_path)
+    default prophets (prompt lookup and the suffix index over the context) draft, the greedy
+    tokens are plain decoding's, and --compare says so."""
     prompt = "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\na = 1\n"
-    assert main(["generate", prompt, "--target", path, "--temperature", "0", "--max-new-tokens", "24",
+    assert main(["generate", prompt, "--target", gemma3, "--temperature", "0", "--max-new-tokens", "24",
                  "--compare"]) == 0
     err = capsys.readouterr().err
-    assert "(identical tokens)" in err and "drafted 0 tokens" not in err
+    assert "ngram, retrieval:context" in err and "(identical tokens)" in err and "drafted 0 tokens" not in err
+
+
+@pytest.mark.parametrize("draft,says", [("default", "proposed nothing for this prompt"), ("none", "no prophet")])
+def test_compare_says_when_nothing_was_drafted(gemma3, capsys, draft, says):
+    """One new token is one round, with nothing before it to look up: --compare would compare plain
+    decoding with itself, and says so."""
+    assert main(["generate", "Tell", "--target", gemma3, "--draft", draft, "--temperature", "0",
+                 "--max-new-tokens", "1", "--compare"]) == 0
+    err = capsys.readouterr().err
+    assert "drafted 0 tokens: " in err and says in err

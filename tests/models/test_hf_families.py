@@ -159,24 +159,25 @@ def test_greedy_speculative_equals_plain_with_forced_rejections(family):
 def test_a_saved_model_loads_and_speculates_whatever_cache_its_generation_config_asks_for(tmp_path, name, cache):
     """A local directory (save_pretrained + a tokenizer) loads with `specdec.load`; the cache
     its generation config names for transformers' generate is not the one specdec rolls back, so
-    speculation stays exact with prompt lookup, an early exit and both as a token tree."""
+    speculation stays exact with the default prophets (prompt lookup and the suffix index over the
+    context, as a token tree) and with an early exit beside prompt lookup."""
     path = save_family_model(name, tmp_path, cache_implementation=cache)
     prompt = "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\na = 1\n"
     plain = load(path, draft="none").generate(prompt, max_new_tokens=3 * WINDOW, temperature=0)
-    for draft in ["ngram", "ngram+layerskip:1"]:
+    for draft in ["default", "ngram+layerskip:1"]:  # default: prompt lookup and the suffix index, as a tree
         out = load(path, draft=draft, policy="fixed", draft_tokens=4).generate(prompt, max_new_tokens=3 * WINDOW,
                                                                                 temperature=0)
         assert out.token_ids == plain.token_ids, draft
         assert out.stats.drafted > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
 def test_sampled_speculation_past_the_window_keeps_the_distribution(tmp_path, name):
     """The chi-square of `specdec check` on a sliding family, its context past the window."""
     from specdec.check import certify
 
-    dec = load(save_family_model(name, tmp_path), draft="ngram+layerskip:1", policy="fixed", draft_tokens=3)
+    dec = load(save_family_model(name, tmp_path), draft="ngram+retrieval:context+layerskip:1", policy="fixed",
+               draft_tokens=3)
     report = certify(dec, dec.plain(), "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny =", tokens=2, samples=300,
                      temperature=1.0)
     assert report.result.passed, report.result

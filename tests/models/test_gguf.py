@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import specdec.gguf as gguf_mod
 from specdec.cli import main
 from specdec.errors import ModelLoadError
-from specdec.llama import FastLlamaLM
 from specdec.hf import HFCausalLM
+from specdec.llama import FastLlamaLM
 from specdec.wiring import load_pretrained
 from tests.gguf_writer import write_tiny_gguf
 

@@ -301,8 +301,8 @@ def run_bench(args: Any) -> dict[str, Any]:
                           _f(r.get("measured_over_predicted")), _f(r.get("other_fraction"), ".1%"),
                           _f(r.get("identical_to_plain")))
         console.print(table)
-        for line in nothing_drafted(res["rows"]):
-            console.print(line, markup=False)
+        for note in nothing_drafted(res["rows"]):
+            console.print(note, markup=False)
         if "peers" in res:
             console.print(peers_markdown(res["peers"], res["target_weights"]), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
@@ -501,8 +501,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
                 console.print(f"[bold red]MISMATCH ({res['mode']}, {r['config']}): greedy speculative output differs "
                               f"from plain decoding on {len(r['mismatches'])} question(s): "
                               f"{', '.join(r['mismatches'])}; their speedups are withheld[/]")
-        for line in nothing_drafted(res["rows"]):
-            console.print(line, markup=False)
+        for note in nothing_drafted(res["rows"]):
+            console.print(note, markup=False)
         if "peers" in res:
             console.print(peers_markdown(res["peers"], plain.weights_detail), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))

@@ -28,7 +28,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="prophet(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
                         "with '+' (default: the target's shipped prophets: for smollm2 prompt lookup, then its "
-                        "eagle prophet; for bundled its prophet; none for other models)")
+                        "eagle prophet; for bundled its prophet; for other models prompt lookup and the suffix "
+                        "index over the request's own context, ngram+retrieval:context with --multi best)")
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="auto", choices=["auto", "tree", "best", "first"],

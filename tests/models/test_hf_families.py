@@ -160,14 +160,14 @@ def test_a_saved_model_loads_and_speculates_whatever_cache_its_generation_config
     """A local directory (save_pretrained + a tokenizer) loads with `specdec.load`; the cache
     its generation config names for transformers' generate is not the one specdec rolls back, so
     speculation stays exact with the default prophets (prompt lookup and the suffix index over the
-    context, as a token tree) and with an early exit beside prompt lookup."""
+    context, the better one drafting) and with an early exit beside prompt lookup (a token tree)."""
     path = save_family_model(name, tmp_path, cache_implementation=cache)
     prompt = "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\na = 1\n"
     plain = load(path, draft="none").generate(prompt, max_new_tokens=3 * WINDOW, temperature=0)
-    for draft in ["default", "ngram+layerskip:1"]:  # default: prompt lookup and the suffix index, as a tree
-        out = load(path, draft=draft, policy="fixed", draft_tokens=4).generate(prompt, max_new_tokens=3 * WINDOW,
-                                                                                temperature=0)
-        assert out.token_ids == plain.token_ids, draft
+    for draft, multi in [("default", "best"), ("ngram+layerskip:1", "tree")]:
+        dec = load(path, draft=draft, policy="fixed", draft_tokens=4)
+        out = dec.generate(prompt, max_new_tokens=3 * WINDOW, temperature=0)
+        assert dec.multi == multi and out.token_ids == plain.token_ids, draft
         assert out.stats.drafted > 0
 
 

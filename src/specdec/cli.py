@@ -296,7 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"speculative decoding ({', '.join(d.name for d in decoder.prophets)}, policy {args.policy})"
     err.print(_stats_table(stats, title))
     if stats.drafted == 0 and (decoder.prophets or plain is not None):
-        err.print(_nothing_drafted(decoder), markup=False)
+        err.print(_nothing_drafted(decoder), markup=False, soft_wrap=True)
     if plain is not None:
         base = plain.generate(**settings)
         same = _same_as_plain(args) and base.token_ids == [t for e in events for t in e.committed]

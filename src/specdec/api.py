@@ -21,6 +21,7 @@ from specdec.defaults import (
     MAX_BRANCHES,
     choice,
     default_draft_tokens_for,
+    default_multi_for,
     default_prophet_for,
     default_target,
 )
@@ -55,7 +56,9 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
     (the small pair trained here on the standard library), a model id, a local directory or
     a GGUF file.
     draft: "default" (the target's shipped prophets: for smollm2 prompt lookup, then its
-    eagle prophet; for the bundled target its prophet; none for other models), "none"
+    eagle prophet; for the bundled target its prophet; for any other model prompt lookup and
+    the suffix index over the request's own context, "ngram+retrieval:context" with multi
+    "best"), "none"
     (plain decoding), a model id or path, "ngram", "retrieval", "layerskip:L", or several
     joined with "+" (e.g. "models/prophet+ngram") for several prophets at once.
     backend: "auto" runs plain Llama models on specdec's lean decode path (same weights,
@@ -104,6 +107,8 @@ def load(target: str | None = None, draft: str | None = "default", policy: str =
         draft = default_prophet_for(target_name)
         if draft_tokens is None:
             draft_tokens = default_draft_tokens_for(target_name, draft)
+        if multi == "auto":
+            multi = default_multi_for(draft)
     if draft_tokens is None:
         draft_tokens = 4
     where = resolve_device(device)

@@ -28,7 +28,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="prophet(s): a model id/path, ngram, retrieval, layerskip:L, none, or several joined "
                         "with '+' (default: the target's shipped prophets: for smollm2 prompt lookup, then its "
-                        "eagle prophet; for bundled its prophet; none for other models)")
+                        "eagle prophet; for bundled its prophet; for other models prompt lookup and the suffix "
+                        "index over the request's own context, ngram+retrieval:context with --multi best)")
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "adaptive", "confidence", "optimal"],
                    help="draft-length policy (auto: K while speculation pays, plain steps while it does not)")
     p.add_argument("--multi", default="auto", choices=["auto", "tree", "best", "first"],
@@ -184,6 +185,16 @@ def _greedy_difference(args: argparse.Namespace) -> str:
     return f" ({what} tokens differ from plain decoding)"
 
 
+def _nothing_drafted(decoder: Any) -> str:
+    """Why speculation was plain decoding this time, for a run that drafted no token."""
+    if not decoder.prophets:
+        return "drafted 0 tokens: no prophet (--draft none), so this is plain decoding"
+    names = ", ".join(d.name for d in decoder.prophets)
+    return (f"drafted 0 tokens: {names} proposed nothing for this prompt, so this was plain decoding (prompt lookup "
+            "and retrieval draft where the text repeats; the auto policy drafts only where the measured step costs "
+            "say a draft pays)")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation in the terminal: each line on stdin is the user's next message, the answer
     streams to stdout, the whole conversation goes back each turn (read from the prefix cache up
@@ -284,6 +295,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     title = "plain decoding" if not decoder.prophets else \
         f"speculative decoding ({', '.join(d.name for d in decoder.prophets)}, policy {args.policy})"
     err.print(_stats_table(stats, title))
+    if stats.drafted == 0 and (decoder.prophets or plain is not None):
+        err.print(_nothing_drafted(decoder), markup=False, soft_wrap=True)
     if plain is not None:
         base = plain.generate(**settings)
         same = _same_as_plain(args) and base.token_ids == [t for e in events for t in e.committed]
@@ -372,6 +385,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_distill(args: argparse.Namespace) -> int:
     from specdec.defaults import shipped
     from specdec.train.pipeline import distill, load_config
+    from specdec.wiring import check_model_dir
 
     cfg = load_config(Path(shipped(args.config)))
     if "paths" in cfg:  # prophets for a real target (configs/smollm2.toml): self-distillation + feature heads
@@ -381,20 +395,25 @@ def cmd_distill(args: argparse.Namespace) -> int:
             models_dir=Path(args.models_dir) if args.models_dir else None, only=args.only,
             max_steps=args.max_steps, data_minutes=args.data_minutes, train_minutes=args.distill_minutes)
         return 0
-    distill(cfg, Path(args.work_dir or ".cache/bundled"), Path(shipped(args.target)), Path(args.out),
+    work, target = Path(args.work_dir or ".cache/bundled"), shipped(args.target)
+    if Path(target).is_file() or check_model_dir(target, "target") is None:
+        raise SpecdecError(f"--target '{target}': this config distills from a local model directory (`specdec train` "
+                           "writes one), not a file or a Hugging Face id")
+    if not (work / "train.bin").is_file():
+        raise SpecdecError(f"--work-dir {work} holds no prepared corpus (train.bin): run `specdec train --work-dir "
+                           f"{work}` first")
+    distill(cfg, work, Path(target), Path(args.out),
             data_out_dir=Path(args.data_out) if args.data_out else None, data_minutes=args.data_minutes,
             distill_minutes=args.distill_minutes, max_steps=args.max_steps)
     return 0
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from specdec.defaults import default_target, resolve_bundled
-    from specdec.gguf import resolve_model
+    from specdec.defaults import default_target
     from specdec.prophets.retrieval import build_default_datastore, default_index_path
+    from specdec.wiring import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(resolve_bundled(args.tokenizer or default_target())))
+    tokenizer = load_tokenizer(args.tokenizer or default_target(), role="tokenizer")
     out = Path(args.out) if args.out else default_index_path(tokenizer)
     build_default_datastore(tokenizer, out)
     return 0
@@ -665,9 +684,23 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 _JSON_OUT.pop()
         return int(args.func(args))
-    except (SpecdecError, ValueError) as e:
-        print(f"specdec: error: {e}", file=sys.stderr)
+    except (SpecdecError, ValueError, OSError) as e:  # bad input, a missing or unreadable file: one line
+        print(f"specdec: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # a fault of specdec's own: still one line, the traceback where asked for
+        import os
+
+        if os.environ.get("SPECDEC_TRACEBACK"):
+            raise
+        print(f"specdec: internal error: {type(e).__name__}: {_one_line(e)} (run again with SPECDEC_TRACEBACK=1 "
+              "to see where, and report it)", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    from specdec.wiring import one_line
+
+    return one_line(e, limit=1000)
 
 
 if __name__ == "__main__":

@@ -148,18 +148,26 @@ def is_alias(name: str) -> bool:
     return name.lower() in SMOLLM2_ALIASES
 
 
+DEFAULT_LOOKUP = "ngram+retrieval:context"  # the prophets of a target with no trained prophet, multi="best"
+
+
 def default_prophet_for(target: str) -> str:
     """The measured best prophet for a target: the bundled prophet for the bundled target;
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
-    1.11x, see CHANGELOG.md, 2026-11-30); none (plain decoding) for anything else."""
+    1.11x, see CHANGELOG.md, 2026-11-30). Any other model has no trained prophet, and drafts
+    from the request's own context with no weights (DEFAULT_LOOKUP): prompt lookup and the
+    suffix index over the context, the one with the better record in the request drafting
+    (`default_multi_for`); where the context does not repeat they propose nothing and every
+    step is a plain one, and where the measured step costs say a draft does not pay, auto's K
+    leaves it out."""
     if _is_bundled(target):
         return bundled_prophet()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
         return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"
-    return "none"
+    return DEFAULT_LOOKUP
 
 
 def default_draft_tokens_for(target: str, draft: str) -> int:
@@ -167,6 +175,17 @@ def default_draft_tokens_for(target: str, draft: str) -> int:
     drafts pay where the context repeats: 1.94x against 1.75x greedy with K <= 4 on its
     chat benchmark, the same at temperature 1), else 4."""
     return 8 if is_alias(target) and draft.startswith("ngram") else 4
+
+
+def default_multi_for(draft: str) -> str:
+    """How a target's default prophets share a round (`load`'s multi="auto"): "best" for the
+    lookups of a model with no trained prophet (DEFAULT_LOOKUP). On SmolLM2's chat answers
+    (12 prompts, 96 greedy tokens, K=4) prompt lookup alone gave 1.672 tokens per target pass,
+    both drafts as one token tree 1.681 with twice the tokens scored, "best" 1.668 with as many
+    as prompt lookup alone: the tree pays for its second branch on a GPU at most, "best" costs
+    nothing and keeps the suffix index for requests where it is the better of the two.
+    "auto" otherwise (`wiring.resolve_multi`)."""
+    return "best" if draft == DEFAULT_LOOKUP else "auto"
 
 
 def display_name(text: str) -> str:

@@ -11,15 +11,14 @@ The engine never touches a model directly; it talks to a `CausalLM`:
 longest common prefix of its tokens and the context, but never the whole context, so
 the next forward always has at least one token to produce the next distribution from.
 
-`HFCausalLM` adapts any Hugging Face causal LM with a croppable cache (loaded by
-`specdec.wiring`); `specdec.toy`
-has table-based models behind the same interface, whose exact distributions are known.
+`specdec.hf.HFCausalLM` adapts any transformers causal LM (loaded by `specdec.wiring`);
+`specdec.llama.FastLlamaLM` is the lean Llama path; `specdec.toy` has table-based models behind
+the same interface, whose exact distributions are known.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -128,133 +127,3 @@ def tree_layout(start: int, n_new: int, tree_parents: Sequence[int]) -> tuple[to
             allowed[n_new + i, start + n_new + node] = True
             node = tree_parents[node]
     return positions, allowed
-
-
-class HFCausalLM:
-    """A Hugging Face causal LM with a `DynamicCache`, batch size 1."""
-
-    offers_hidden = True  # its .model.model is the decoder stack, its lm_head the head
-
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None) -> None:
-        from transformers import DynamicCache
-
-        self.model = model.eval()
-        self.name = name
-        self.vocab_size = vocab_size or model.config.vocab_size
-        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self._cache_cls = DynamicCache
-        self.device = next(model.parameters()).device
-        self.n_layers = int(model.config.num_hidden_layers)  # early exit may stop after any of them
-        self._stacks: dict[int, Any] = {}  # early exit: the decoder stack cut to L layers, by L
-        self.reset()
-
-    def _stack(self, layers: int) -> Any:
-        """The decoder stack running only its first `layers` layers: a shallow copy of the
-        model's stack (the same layer modules and weights) with a config copy of its own, so
-        early exit never edits the model's shared config."""
-        if layers not in self._stacks:
-            stack = copy.copy(self.model.model)  # a new __dict__: the same submodules and weights
-            stack.config = copy.copy(self.model.config)
-            stack.config.num_hidden_layers = layers
-            self._stacks[layers] = stack
-        return self._stacks[layers]
-
-    def fresh(self) -> HFCausalLM:
-        """Another view of the same weights with its own, empty cache."""
-        return HFCausalLM(self.model, self.name, self.vocab_size)
-
-    def reset(self) -> None:
-        self.cache = self._cache_cls(config=self.model.config)
-        self.tokens: list[int] = []
-        self.forward_calls = 0
-
-    @torch.inference_mode()
-    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
-        """Append new_ids (n,) to the cache; logits (n_logits, V) for the last n_logits of them."""
-        start = len(self.tokens)
-        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True,
-                         logits_to_keep=n_logits)
-        self.tokens.extend(new_ids)
-        self.forward_calls += 1
-        return out.logits[0, -n_logits:, : self.vocab_size].float()
-
-    def embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight.detach()
-
-    def head(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight.detach()[: self.vocab_size]
-
-    @torch.inference_mode()
-    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As forward, also returning the last hidden states (n_logits, D), after the final norm."""
-        start = len(self.tokens)
-        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
-        out = self.model.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True)
-        hidden = out.last_hidden_state[0, -n_logits:]
-        logits = self.model.lm_head(hidden)
-        self.tokens.extend(new_ids)
-        self.forward_calls += 1
-        return logits[:, : self.vocab_size].float(), hidden.float()
-
-    @torch.inference_mode()
-    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
-                     tree_parents: Sequence[int]) -> torch.Tensor:
-        """Append new_ids (a chain) then a token tree, in one call, with a tree attention mask.
-
-        Returns logits (1 + N, V): after the last of new_ids, then after each tree node.
-        The tree's cache entries stay until `keep_tree_path` keeps the accepted path.
-        """
-        positions, allowed = tree_layout(len(self.tokens), len(new_ids), tree_parents)
-        dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        input_ids = torch.tensor([list(new_ids) + list(tree_tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, position_ids=positions[None].to(self.device),
-                         attention_mask=mask[None, None].to(self.device), cache=self.cache, use_cache=True)
-        self.tokens.extend(list(new_ids) + list(tree_tokens))
-        self.forward_calls += 1
-        return out.logits[0, len(new_ids) - 1 :, : self.vocab_size].float()
-
-    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
-        """After forward_tree: keep the chain and the accepted path's entries, drop the rest."""
-        base = len(self.tokens) - len(tree_tokens)
-        keep = torch.tensor(list(range(base)) + [base + node for node in path], device=self.device)
-        layers: list[Any] = list(self.cache.layers)
-        for layer in layers:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
-        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
-
-    @torch.inference_mode()
-    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
-        """Self-speculation: new_ids through the first `layers` layers and the model's own
-        head; logits (V,) of the last. Entries go to the first L cache layers only, past
-        the committed tokens, until `end_early_exit` cuts them off."""
-        feature = self.early_exit_features(new_ids, layers)
-        return self.model.lm_head(feature.to(self.model.lm_head.weight.dtype))[0, : self.vocab_size].float()
-
-    @torch.inference_mode()
-    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
-        """What the head would read after the first `layers` layers (their output through the
-        final norm), (n_last, D) for the last n_last new ids."""
-        start = self.cache.get_seq_length()  # layer 0 holds committed + earlier draft entries
-        positions = torch.arange(start, start + len(new_ids), device=self.device)[None]
-        out = self._stack(layers)(input_ids=torch.tensor([list(new_ids)], device=self.device),
-                                  position_ids=positions, cache=self.cache, use_cache=True)
-        self.forward_calls += 1
-        return out.last_hidden_state[0, -n_last:].float()
-
-    def end_early_exit(self, committed: int) -> None:
-        layers: list[Any] = list(self.cache.layers)
-        for layer in layers:
-            extra = layer.get_seq_length() - committed
-            if extra > 0:
-                layer.crop(-extra)
-
-    def truncate(self, n: int) -> None:
-        drop = len(self.tokens) - n
-        if drop > 0:
-            self.cache.crop(-drop)
-            del self.tokens[n:]

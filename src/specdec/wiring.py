@@ -20,7 +20,7 @@ import torch
 
 from specdec.coststore import BATCH_BUDGET_S
 from specdec.errors import ModelLoadError, VocabularyMismatchError
-from specdec.lm import HFCausalLM
+from specdec.hf import HFCausalLM
 from specdec.prophets.base import Prophet
 
 
@@ -105,29 +105,70 @@ def _is_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                    role: str = "model", device: torch.device | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file, "smollm2"
-    (converted once, see specdec.gguf) or "bundled" (the small pair's target), on `device`
-    (default: the CPU), with clear errors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def one_line(error: BaseException, limit: int = 400) -> str:
+    """An exception's message as one line (libraries' messages span several), at most `limit` characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_model_dir(name: str, role: str = "model") -> Path | None:
+    """The local directory `name` names, checked for what loading reads (a config.json and
+    tokenizer files), else None for a Hugging Face id; anything else a `ModelLoadError` saying
+    what to pass instead."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        if _looks_like_path(name) or not _is_hub_id(name):
+            raise ModelLoadError(f"{role} '{name}': no such directory, and not a Hugging Face id (owner/name)")
+        return None
+    what = "a model directory (config.json, weights and tokenizer files), a .gguf file or a Hugging Face id"
+    if not path.is_dir():
+        raise ModelLoadError(f"{role} '{name}' is a file, not a model: pass {what}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{role} '{name}' has no config.json: pass {what}")
+    if not any(path.glob("tokenizer*")) and not (path / "vocab.json").is_file():
+        raise ModelLoadError(f"{role} '{name}' has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): "
+                             "save its tokenizer beside it (tokenizer.save_pretrained(directory))")
+    return path
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, role: str = "model") -> Any:
+    """The tokenizer of a Hugging Face id, a local directory, a GGUF file, "smollm2" or "bundled",
+    with clear errors."""
+    from transformers import AutoTokenizer
 
     from specdec.defaults import resolve_bundled
     from specdec.gguf import resolve_model
 
+    name_or_path = resolve_model(resolve_bundled(name_or_path))
+    path = check_model_dir(name_or_path, role)
+    try:  # a library reading files someone else wrote may raise anything: each becomes one line
+        return AutoTokenizer.from_pretrained(str(path or name_or_path), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer of {role} '{name_or_path}': {one_line(e)}") from e
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                    role: str = "model", device: torch.device | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face id, a local directory, a GGUF file, "smollm2"
+    (converted once, see specdec.gguf) or "bundled" (the small pair's target), on `device`
+    (default: the CPU), with clear errors: a model whose cache specdec cannot roll back among
+    them (`specdec.hf.attention_layout`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from specdec.defaults import resolve_bundled
+    from specdec.gguf import resolve_model
+    from specdec.hf import attention_layout
+
     hf_logging.disable_progress_bar()
     name_or_path = resolve_model(resolve_bundled(name_or_path))
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and (_looks_like_path(name_or_path) or not _is_hub_id(name_or_path)):
-        raise ModelLoadError(f"{role} '{name_or_path}': no such directory, and not a Hugging Face id (owner/name)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path,
-                                                  trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name_or_path, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load {role} '{name_or_path}': {e}") from e
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code, role)
+    source = str(check_model_dir(name_or_path, role) or name_or_path)
+    try:  # as in load_tokenizer: weights, configs and remote code from anywhere
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"could not load {role} '{name_or_path}': {one_line(e)}") from e
+    attention_layout(model.config, name_or_path)  # before anything runs it
     if device is not None and device.type != "cpu":
         model = model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     return model.eval(), tokenizer
@@ -272,6 +313,8 @@ def _ngram(part: str, w: Wiring) -> Prophet:
 def _retrieval(part: str, w: Wiring) -> Prophet:
     from specdec.prophets.retrieval import Datastore, RetrievalProphet, build_default_datastore, default_index_path
 
+    if part == "retrieval:context":  # each request's own context as the corpus
+        return RetrievalProphet(None, name=part)
     if w.retrieval_index is not None:
         if not Path(w.retrieval_index).exists():
             raise ValueError(f"retrieval index '{w.retrieval_index}' does not exist: "
@@ -394,8 +437,9 @@ def _is_feature_prophet(part: str) -> bool:
 for _kind in (
     ProphetKind("ngram", lambda p: p == "ngram" or p.startswith("ngram:"), _ngram,
                 "prompt lookup: continue the longest earlier match of the last tokens (ngram:N, longest N)"),
-    ProphetKind("retrieval", lambda p: p == "retrieval", _retrieval,
-                "continuations of matching text in a datastore (--retrieval-index)"),
+    ProphetKind("retrieval", lambda p: p in ("retrieval", "retrieval:context"), _retrieval,
+                "continuations of matching text in a datastore (--retrieval-index), or in the request's own "
+                "context (retrieval:context)"),
     ProphetKind("layerskip", lambda p: p == "layerskip" or p.startswith("layerskip:"), _layerskip,
                 "the target's first L layers and its own head (layerskip:L or layerskip:auto)"),
     ProphetKind("int8", lambda p: p.endswith(":int8"), _int8, "a model (the target's name: itself) with int8 weights"),

@@ -77,3 +77,17 @@ def test_gpu_check_names_configurations_the_code_suite_runs():
     if not torch.cuda.is_available():
         done = subprocess.run([str(root / "scripts" / "gpu-check")], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "no CUDA GPU" in done.stdout
+
+
+def test_a_configuration_that_drafted_nothing_is_named_in_the_report():
+    """A prophet that proposed no token on the prompts gives plain decoding's figures: the report
+    says so under the table, for specdec's configurations with prophets only."""
+    from specdec.bench.report import markdown, nothing_drafted
+
+    rows = [{"config": "plain", "kind": "ours", "draft": "none", "drafted": 0},
+            {"config": "ngram", "kind": "ours", "draft": "ngram", "drafted": 0},
+            {"config": "prophet K=4", "kind": "ours", "draft": "models/prophet", "drafted": 31},
+            {"config": "hf prompt-lookup", "kind": "hf-lookup", "draft": "none"}]
+    assert nothing_drafted(rows) == ["drafted 0 tokens: 'ngram' (ngram) proposed nothing on these prompts, so its "
+                                     "figures are plain decoding's"]
+    assert markdown(rows, {}, [], "### greedy").rstrip().endswith(nothing_drafted(rows)[0])

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import specdec.gguf as gguf_mod
 from specdec.cli import main
 from specdec.errors import ModelLoadError
-from specdec.lm import HFCausalLM
+from specdec.hf import HFCausalLM
 from specdec.sequence import FastLlamaLM
 from specdec.wiring import load_pretrained
 from tests.gguf_writer import write_tiny_gguf

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import load
 from specdec.errors import ContextLengthError, ModelLoadError, VocabularyMismatchError
-from specdec.lm import HFCausalLM
+from specdec.hf import HFCausalLM
 from specdec.wiring import wrap
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n    def __init__(self", "# Copyright",

@@ -71,6 +71,39 @@ def test_datastore_save_load_and_most_frequent_continuation(tmp_path):
     assert draft.tokens == [[3, 9, 1], []] and draft.probs is None
 
 
+def context_lookup_reference(context: list[int], k: int, min_match: int = 2) -> list[int]:
+    """The specification of the suffix index over a request's own context: the longest suffix
+    (min_match..WIDTH tokens) with an earlier occurrence that a token follows, continued token
+    by token with the likeliest next token (ties: the smallest id) after the last WIDTH tokens."""
+    from collections import Counter
+
+    n = len(context)
+
+    def followers(pattern: list[int]) -> list[int]:
+        m = len(pattern)
+        return [context[i + m] for i in range(n - m) if context[i : i + m] == pattern]
+
+    pattern = next((context[-m:] for m in range(min(WIDTH, n), min_match - 1, -1) if followers(context[-m:])), [])
+    out: list[int] = []
+    while pattern and len(out) < k and followers(pattern):
+        counts = Counter(followers(pattern))
+        out.append(min(t for t in counts if counts[t] == max(counts.values())))
+        pattern = (pattern + [out[-1]])[-WIDTH:]
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([3, 70_000, 70_001, 262_143]), min_size=1, max_size=60), st.integers(1, 8))
+def test_the_suffix_index_over_the_context_is_its_specification(ctx, k):
+    """retrieval:context over ids past 16 bits (Gemma's 262k vocabulary), renumbered in its store;
+    built again as the context grows."""
+    prophet = RetrievalProphet(None, name="retrieval:context")
+    req = Request(ctx[:1], 8, SamplingParams(0))
+    for n in range(1, len(ctx) + 1):
+        req.prompt = ctx[:n]
+        assert prophet.propose([req], [k]).tokens == [context_lookup_reference(ctx[:n], k)], n
+
+
 # ---------------------------------------------------------------- layer skip
 
 
@@ -79,7 +112,7 @@ def test_early_exit_never_edits_the_models_config(tiny_pair):
     (which another request's decoder may share) keeps all its layers, during and after."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.lm import HFCausalLM
+    from specdec.hf import HFCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     lm = HFCausalLM(model, "t")
@@ -231,12 +264,13 @@ def markov_corpus(lm, n, seed):
     return np.array(ctx, dtype=np.uint16)
 
 
-@pytest.mark.parametrize("which", ["ngram", "retrieval", "ngram+model", "retrieval+ngram"])
+@pytest.mark.parametrize("which", ["ngram", "retrieval", "ngram+model", "retrieval+ngram", "ngram+context"])
 def test_deterministic_prophets_are_lossless(which):
     target = toy_target()
     model = ModelProphet(target.blend(MarkovLM.random(V, order=2, seed=22), 0.3, "model"))
     store = Datastore.build(markov_corpus(target, 4000, 0))
-    parts = {"ngram": NgramProphet(3), "retrieval": RetrievalProphet(store, min_match=1), "model": model}
+    parts = {"ngram": NgramProphet(3), "retrieval": RetrievalProphet(store, min_match=1), "model": model,
+             "context": RetrievalProphet(None, min_match=1, name="retrieval:context")}
     prophets = [parts[p] for p in which.split("+")]
     decoder = SpeculativeDecoder(target, prophets, policy=Policy(3))
     result = fit_against_exact(decoder, target, PROMPT, LENGTH, N, temperature=1.0, top_p=0.9)

@@ -68,7 +68,10 @@ def test_default_prophets():
     assert default_prophet_for(bundled_target()) == bundled_prophet() == default_prophet_for("bundled")
     assert default_target() == "smollm2"
     assert default_prophet_for("smollm2") == f"ngram+{models_dir() / 'smollm2-eagle'}"
-    assert default_prophet_for("some/other-model") == "none"
+    assert default_prophet_for("some/other-model") == "ngram+retrieval:context"
+    from specdec.defaults import default_multi_for
+
+    assert default_multi_for("ngram+retrieval:context") == "best" and default_multi_for("ngram") == "auto"
 
 
 def test_draft_dtype_takes_a_dtype_or_its_name_and_refuses_anything_else(tiny_pair, monkeypatch):

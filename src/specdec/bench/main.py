@@ -17,6 +17,7 @@ from specdec.bench.report import (
     by_category,
     by_task,
     markdown,
+    nothing_drafted,
     plots,
     specbench_markdown,
     summarize_config,
@@ -300,6 +301,8 @@ def run_bench(args: Any) -> dict[str, Any]:
                           _f(r.get("measured_over_predicted")), _f(r.get("other_fraction"), ".1%"),
                           _f(r.get("identical_to_plain")))
         console.print(table)
+        for note in nothing_drafted(res["rows"]):
+            console.print(note, markup=False)
         if "peers" in res:
             console.print(peers_markdown(res["peers"], res["target_weights"]), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))
@@ -498,6 +501,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
                 console.print(f"[bold red]MISMATCH ({res['mode']}, {r['config']}): greedy speculative output differs "
                               f"from plain decoding on {len(r['mismatches'])} question(s): "
                               f"{', '.join(r['mismatches'])}; their speedups are withheld[/]")
+        for note in nothing_drafted(res["rows"]):
+            console.print(note, markup=False)
         if "peers" in res:
             console.print(peers_markdown(res["peers"], plain.weights_detail), markup=False)
     (out_dir / "bench.md").write_text("\n".join(md))

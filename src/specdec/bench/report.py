@@ -79,6 +79,7 @@ def summarize_config(runs: list[Run], cfg: Config, baseline: str, greedy: bool,
     depth = max((len(p) for p in profiles), default=0)
     tested = accepted + sum(s["recovered"] for s in stats if s["drafted"])
     row.update(
+        drafted=drafted,
         acceptance_rate=accepted / drafted if drafted else None,
         alpha=accepted / tested if tested else None,
         acceptance_rate_per_request=statistics.mean(per_request) if per_request else None,
@@ -132,12 +133,23 @@ COLUMNS = [("config", "config", "s"), ("speedup", "speedup (median)", ".2f"), ("
            ("other_fraction", "other time", ".1%"), ("identical_to_plain", "same tokens", "s")]
 
 
+def nothing_drafted(rows: list[dict[str, Any]]) -> list[str]:
+    """A line for each of specdec's configurations with prophets that drafted no token on the
+    prompts (a lookup in contexts that never repeat, a policy whose K stayed 0): its figures are
+    plain decoding's, and the report says so rather than show a speedup of about 1 as speculation's."""
+    return [f"drafted 0 tokens: '{r['config']}' ({r['draft']}) proposed nothing on these prompts, so its figures "
+            "are plain decoding's" for r in rows
+            if r.get("kind") == "ours" and r.get("draft") not in (None, "none") and r.get("drafted") == 0]
+
+
 def markdown(rows: list[dict[str, Any]], cats: dict[str, dict[str, float | None]], categories: list[str],
              header: str) -> str:
     lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         r = dict(r, spread=f"{fmt(r.get('speedup_min'))}-{fmt(r.get('speedup_max'))}")
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for key, _, spec in COLUMNS) + " |")
+    if nothing_drafted(rows):
+        lines += ["", *nothing_drafted(rows)]
     if not cats:
         return "\n".join(lines) + "\n"
     lines += ["", "Speedup over plain decoding by prompt category (median):", "",

@@ -20,7 +20,8 @@ import torch
 from specdec.costmodel import expected_tokens_per_round
 from specdec.data.prompts import BenchPrompt
 from specdec.decoder import SpeculativeDecoder
-from specdec.lm import HFCausalLM, attention_backends
+from specdec.hf import HFCausalLM
+from specdec.lm import attention_backends
 
 
 @dataclass(frozen=True)

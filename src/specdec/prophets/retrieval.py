@@ -7,6 +7,15 @@ position (tokens 0-3 and 4-7, 16 bits each) turn a prefix lookup into two `searc
 calls. A draft finds the longest suffix of the context (up to WIDTH tokens) that occurs in
 the corpus, then extends it greedily with the most frequent next token among the
 occurrences. Deterministic: q is one-hot.
+
+With no datastore (`--draft retrieval:context`), each request's own context is the corpus: a
+suffix array over the prompt and what it has generated, built when the prophet is asked and
+the context has grown (a sort of a few hundred to a few thousand tokens, well under a
+millisecond), its ids renumbered densely so that any vocabulary fits the 16-bit keys. Beside
+prompt lookup (`ngram`, the latest occurrence of the last 2-4 tokens, copied), it continues
+the longest match of up to WIDTH tokens with the continuation seen most often, token by token,
+so that in a token tree the two propose different branches where a context repeats with
+variations.
 """
 
 from __future__ import annotations
@@ -106,24 +115,31 @@ class Datastore:
 class RetrievalProphet(Prophet):
     is_lookup = True
 
-    def __init__(self, store: Datastore, min_match: int = 2, min_count: int = 1, name: str = "retrieval") -> None:
+    def __init__(self, store: Datastore | None, min_match: int = 2, min_count: int = 1,
+                 name: str = "retrieval") -> None:
         self.store, self.min_match, self.min_count, self.name = store, min_match, min_count, name
 
-    def _longest_match(self, context: Sequence[int]) -> list[int]:
+    def _longest_match(self, store: Datastore, context: Sequence[int]) -> list[int]:
+        """The longest suffix of the context (at most WIDTH tokens) with an occurrence in the
+        store that a token follows (of two occurrences one at least has one: only the store's
+        end has none)."""
         for m in range(min(WIDTH, len(context)), self.min_match - 1, -1):
             pattern = list(context[-m:])
-            lo, hi = self.store.find(pattern)
-            if hi > lo:
+            lo, hi = store.find(pattern)
+            if hi - lo > 1 or hi > lo and store.sa[lo] + m < len(store.tokens):
                 return pattern
         return []
 
-    def lookup(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens continuing the context's longest match in the datastore."""
-        pattern = self._longest_match(context)
+    def lookup(self, context: Sequence[int], k: int, store: Datastore | None = None) -> list[int]:
+        """Up to k tokens continuing the context's longest match in the datastore (or `store`)."""
+        store = store if store is not None else self.store
+        if store is None:
+            return []
+        pattern = self._longest_match(store, context)
         tokens: list[int] = []
         while pattern and len(tokens) < k:
-            lo, hi = self.store.find(pattern)
-            token, count = self.store.next_tokens(lo, hi, len(pattern))
+            lo, hi = store.find(pattern)
+            token, count = store.next_tokens(lo, hi, len(pattern))
             if token < 0 or count < self.min_count:
                 break
             tokens.append(token)
@@ -131,7 +147,23 @@ class RetrievalProphet(Prophet):
         return tokens
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:
-        return BatchDraft([self.lookup(r.context, k) if k else [] for r, k in zip(reqs, ks, strict=True)], None)
+        return BatchDraft([(self.lookup(r.context, k) if self.store is not None else self._own(r, k)) if k else []
+                           for r, k in zip(reqs, ks, strict=True)], None)
+
+    def _own(self, req: Request, k: int) -> list[int]:
+        """Up to k tokens from the suffix array over the request's own context (no datastore):
+        its ids renumbered 0..n-1 in the store, kept in the request and built again when the
+        context has grown."""
+        n = req.length
+        kept = req.lookups.get(self.name)
+        if not (isinstance(kept, tuple) and kept[0] == n):
+            ids, local = np.unique(np.asarray(req.context, dtype=np.int64), return_inverse=True)
+            if len(ids) >= PAD:  # more distinct ids than 16-bit keys hold: nothing to draft
+                return []
+            kept = req.lookups[self.name] = (n, ids, Datastore.build(local.astype(np.uint16)))
+        _, ids, store = kept
+        local = store.tokens[-min(WIDTH, n):].tolist()  # the context's end, renumbered as the store is
+        return ids[self.lookup(local, k, store)].tolist()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

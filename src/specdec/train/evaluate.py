@@ -17,7 +17,7 @@ import torch
 
 from specdec.data.corpus import list_files, read_text
 from specdec.data.prompts import build_suite
-from specdec.lm import HFCausalLM
+from specdec.hf import HFCausalLM
 from specdec.train.lm import fixed_eval_windows, heldout_loss
 
 SPLIT = (4, "specdec-split-v1")

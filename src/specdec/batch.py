@@ -38,6 +38,7 @@ from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
 from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
+from specdec.grammar import inside_rows, mask_logits
 from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama, trim_heap
 from specdec.lm import attention_backends, common_prefix, tree_depths
@@ -155,6 +156,10 @@ class BatchEngine:
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
             prefill_rows(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
             active = [r for r in active if row_prefilled(r, TARGET)]
+        # 1b. Tokens a row's grammar forces (one token allowed, `specdec.grammar`) are committed
+        #     now, with no draft and no pass; the prophets draft from after them.
+        refused += self._force(active)
+        active = [r for r in active if not r.done]
         if not active:
             return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
@@ -163,6 +168,8 @@ class BatchEngine:
         costs = self.kchoice.policy_costs(active)
         d0 = time.perf_counter()
         draft = self._draft(active, costs)
+        if draft.trees is None and any(r.constraint is not None for r in active):  # cut after a token outside
+            draft = draft.cut(inside_rows(active, draft.tokens))
         d1 = time.perf_counter()
         if draft.trees is not None:
             return refused + self._tree_step(active, draft, d0, d1)
@@ -232,6 +239,8 @@ class BatchEngine:
         else:
             logits = self.target.forward(*args, trees=trees)
         self._fused = fused  # read by _keep_fused once the rows are committed
+        if any(r.constraint is not None for r in active):  # p under each row's grammar (`specdec.grammar`)
+            logits = mask_logits(logits, active, drafts, trees)
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         return logits, hidden
@@ -375,7 +384,7 @@ class BatchEngine:
             drafted=list(e.drafted), accepted=e.accepted,
             next_token=e.next_token, next_kind=e.next_kind,
             committed=list(e.committed if committed is None else committed),
-            draft_calls=self._draft_calls(e), target_calls=1,
+            draft_calls=self._draft_calls(e), target_calls=int(e.next_kind != "forced"), forced=e.forced,
             start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
             target_span=(g0 - t0, g1 - t0), tree_size=e.tree_size,
             accepted_by=e.accepted_by if e.accepted_by is not None else [name] * e.accepted if name else [],
@@ -500,6 +509,8 @@ class BatchEngine:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
+        if req.constraint is not None:
+            req.constraint.commit(req.generated[before - len(req.prompt):])
         n_drafted = len(drafted) if n_drafted is None else n_drafted
         if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
             observe_recent(req.recent, prophet, n_accepted)
@@ -515,8 +526,39 @@ class BatchEngine:
         req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}
         if req.done:
             self._free_slot(req)
-        return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],
-                         req.finish_reason, prophet if drafted else None)
+        return StepEvent(req, drafted, n_accepted, next_token, kind,
+                         req.generated[before - req.forced - len(req.prompt):], req.finish_reason,
+                         prophet if drafted else None, forced=req.forced)
+
+    def _force(self, active: Sequence[Request]) -> list[StepEvent]:
+        """Commit the tokens each row's grammar forces (`Constraint.forced`: masked p is
+        one-hot there at any temperature, so they are the target's tokens with certainty),
+        within its length and the context; the rows they end (EOS, length) leave with their
+        event (next_kind "forced": no pass). The others draft from after them (an eagle's
+        feature no longer fits the row's last token: it waits a round)."""
+        ended = []
+        for r in active:
+            r.forced = 0
+            if r.constraint is None:
+                continue
+            tokens = r.constraint.forced(min(r.max_new_tokens - len(r.generated), self.target.max_length - r.length))
+            for token in tokens:
+                r.generated.append(token)
+                r.forced += 1
+                r.finish_reason = finish_reason(token, len(r.generated), r.length, self.eos_token_ids,
+                                                r.max_new_tokens, self.target.max_length)
+                if r.finish_reason:
+                    break
+            if tokens:
+                r.feature = None
+            if r.done:
+                self._free_slot(r)
+                e = StepEvent(r, [], 0, r.generated[-1], "forced", r.generated[-r.forced:], r.finish_reason,
+                              forced=r.forced)
+                now = time.perf_counter()
+                e.spans = ((now, now), (now, now))
+                ended.append(e)
+        return ended
 
     # ----------------------------------------------------------------- many prompts
     def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = MAX_NEW_TOKENS,

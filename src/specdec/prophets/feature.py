@@ -35,6 +35,7 @@ from torch import nn
 
 from specdec import qgemm
 from specdec.branching import TreeBudget, draw_gains, fit_scale
+from specdec.grammar import mask_draft
 from specdec.lm import tree_depths
 from specdec.prophets.base import BatchDraft, Budget, Prophet, in_row_order, probs_by_params
 from specdec.request import Request, batch_free, keep_drafting_rows
@@ -285,6 +286,8 @@ class FeatureProphet(Prophet):
         alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not batch_free(reqs[b])]
         for j in range(1, max(k_rows) + 1):
             h, sub = _guess(p, h, h0, last, j, alone)  # sub (B', N): logits over the draft vocabulary (q 0 elsewhere)
+            if any(reqs[b].constraint is not None for b in rows):  # q under each row's grammar, along its draft
+                sub = mask_draft(sub, [reqs[b] for b in rows], [tokens[b] for b in rows], p.vocab_ids)
             check_logits(sub, who)
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # a greedy row's token
             drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its

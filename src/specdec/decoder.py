@@ -119,7 +119,8 @@ class SpeculativeDecoder:
         self.prefix_cache_mb = 0.0
         self.branches = 1  # > 1: an eagle grows a token tree each round, up to this many children a node
         self.eos_token_ids = set(eos_token_ids)
-        self.vocabulary: Vocabulary | None = None  # the grammar engine's tokens: the tokenizer's, read at first use (or set)
+        # the grammar engine's view of the tokens: the tokenizer's, read at first use (or set)
+        self.vocabulary: Vocabulary | None = None
         self._feature_readers = [d for d in self.prophets if d.reads_features]
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "

@@ -27,6 +27,7 @@ what is left (as serving engines order it). Nothing here samples or verifies; th
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,17 +166,33 @@ class Vocabulary:
         with the engine's message where the grammar is invalid or unsupported."""
         from llguidance import LLMatcher
 
-        try:
-            text = grammar.engine_grammar()
-        except ValueError as e:
-            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {e}") from None
-        error = LLMatcher.validate_grammar(text, self.tokenizer)
-        if error:
-            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}")
+        text = check_grammar(grammar, self.tokenizer)
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {matcher.get_error()}")
+            raise GrammarError(_one_line(grammar, matcher.get_error()))
         return Constraint(matcher, self.vocab_size, grammar, self.tokenizer.eos_tokens)
+
+
+def _one_line(grammar: Grammar, error: str) -> str:
+    """The engine's message on one line (its source excerpt and caret lines left out)."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    kept = [line for line in lines if line and not re.match(r"^(\^|\d+\s*\|)", line)]
+    return f"invalid {grammar.kind.replace('_', ' ')}: {' '.join(kept)}"
+
+
+def check_grammar(grammar: Grammar, tokenizer: Any = None) -> str:
+    """The grammar in the engine's form, checked (with no tokenizer: its syntax and the
+    features it uses); GrammarError where it is invalid or unsupported."""
+    from llguidance import LLMatcher
+
+    try:
+        text = grammar.engine_grammar()
+    except ValueError as e:
+        raise GrammarError(_one_line(grammar, str(e))) from None
+    error = LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise GrammarError(_one_line(grammar, error))
+    return text
 
 
 class Constraint:
@@ -341,5 +358,5 @@ def mask_draft(logits: torch.Tensor, reqs: Sequence[Any], prefixes: Sequence[Seq
     return logits.masked_fill(~allowed.to(logits.device), -float("inf"))
 
 
-__all__ = ["GRAMMAR_KINDS", "Constraint", "Grammar", "GrammarError", "Vocabulary", "grammar_of", "inside_rows",
+__all__ = ["GRAMMAR_KINDS", "Constraint", "check_grammar", "Grammar", "GrammarError", "Vocabulary", "grammar_of", "inside_rows",
            "json_schema_grammar", "mask_draft", "mask_logits", "response_format_grammar"]

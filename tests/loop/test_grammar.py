@@ -22,7 +22,7 @@ from specdec.batch import BatchEngine
 from specdec.certify import goodness_of_fit
 from specdec.decoder import SpeculativeDecoder
 from specdec.driver import Row, run_rows
-from specdec.grammar import Constraint, Grammar, GrammarError, Vocabulary
+from specdec.grammar import Grammar, GrammarError, Vocabulary
 from specdec.policy import Policy
 from specdec.prophets.base import BatchDraft
 from specdec.prophets.model import ModelProphet

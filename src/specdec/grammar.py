@@ -39,6 +39,12 @@ import torch
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
 
+# JSON on one line, ", " and ": " between items and keys (a schema's "x-guidance" may say
+# otherwise): a small model's output cannot run into whitespace that never ends, and keys
+# and separators are forced tokens (no pass)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """A response format, regex or grammar that cannot constrain a request."""
 
@@ -56,9 +62,9 @@ class Grammar:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
-            return str(LLMatcher.grammar_from_json_schema(self.source))
+            return str(LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_LAYOUT))
         if self.kind == "json_object":
-            return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
+            return str(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT))
         if self.kind == "regex":
             return str(LLMatcher.grammar_from_regex(self.source))
         return str(LLMatcher.grammar_from_lark(self.source))
@@ -358,5 +364,5 @@ def mask_draft(logits: torch.Tensor, reqs: Sequence[Any], prefixes: Sequence[Seq
     return logits.masked_fill(~allowed.to(logits.device), -float("inf"))
 
 
-__all__ = ["GRAMMAR_KINDS", "Constraint", "check_grammar", "Grammar", "GrammarError", "Vocabulary", "grammar_of", "inside_rows",
+__all__ = ["GRAMMAR_KINDS", "JSON_LAYOUT", "Constraint", "check_grammar", "Grammar", "GrammarError", "Vocabulary", "grammar_of", "inside_rows",
            "json_schema_grammar", "mask_draft", "mask_logits", "response_format_grammar"]

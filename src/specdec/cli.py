@@ -255,7 +255,8 @@ def _constraint_args(args: argparse.Namespace) -> dict[str, Any]:
     given = [f for f, v in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
                             ("--regex", args.regex), ("--grammar", args.grammar)) if v]
     if len(given) > 1:
-        raise SpecdecError(f"pass one of --json-schema, --json-object, --regex and --grammar, not {' and '.join(given)}")
+        raise SpecdecError("pass one of --json-schema, --json-object, --regex and --grammar, "
+                           f"not {' and '.join(given)}")
     out: dict[str, Any] = {}
     if args.json_schema:
         schema = json.loads(json_schema_grammar(_read_text(args.json_schema, "JSON schema")).source)

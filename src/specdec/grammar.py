@@ -42,7 +42,7 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 # JSON on one line, ", " and ": " between items and keys (a schema's "x-guidance" may say
 # otherwise): a small model's output cannot run into whitespace that never ends, and keys
 # and separators are forced tokens (no pass)
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -364,5 +364,5 @@ def mask_draft(logits: torch.Tensor, reqs: Sequence[Any], prefixes: Sequence[Seq
     return logits.masked_fill(~allowed.to(logits.device), -float("inf"))
 
 
-__all__ = ["GRAMMAR_KINDS", "JSON_LAYOUT", "Constraint", "check_grammar", "Grammar", "GrammarError", "Vocabulary", "grammar_of", "inside_rows",
-           "json_schema_grammar", "mask_draft", "mask_logits", "response_format_grammar"]
+__all__ = ["GRAMMAR_KINDS", "JSON_LAYOUT", "Constraint", "Grammar", "GrammarError", "Vocabulary", "check_grammar",
+           "grammar_of", "inside_rows", "json_schema_grammar", "mask_draft", "mask_logits", "response_format_grammar"]

@@ -668,10 +668,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
                    help="the target's weights for every configuration (default: as `specdec run` loads the "
                         "target: int4 for smollm2 on the CPU, float32 for other models)")
-    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench"],
+    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench", "structured"],
                    help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2); "
                         "spec-bench: Spec-Bench's questions (--questions), plain decoding against the target's "
-                        "default decoder, per task and overall: speedup, tokens per target pass, acceptance")
+                        "default decoder, per task and overall: speedup, tokens per target pass, acceptance; "
+                        "structured: 51 JSON schemas and 10 tool calls, speculative and plain constrained "
+                        "decoding and plain unconstrained, validity (jsonschema), forced tokens, mask time "
+                        "(--quick: 10 and 4; --per-category N: N schemas)")
     b.add_argument("--questions", default=None, metavar="FILE",
                    help="--suite spec-bench: Spec-Bench's question.jsonl (one {question_id, category, turns} "
                         "object per line; the first turn of each is asked)")

@@ -143,6 +143,11 @@ class SpeculativeDecoder:
         req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
                                    messages, prophets, policy, sampling, response_format=response_format,
                                    regex=regex, grammar=grammar)
+        return self.run(req, finish)
+
+    def run(self, req: Request, finish: Finish) -> Generation:
+        """Run a request made by `request` (alone, on the decoder's own loop) to its end: what
+        `generate` returns. The request keeps its state (its grammar's `Constraint`, say)."""
         events = list(self._step_alone(req, finish, False))
         return Generation(finish.final_text(req.generated), list(req.generated), list(req.prompt),
                           req.finish_reason or "length", events, summarize(events))

@@ -44,8 +44,8 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, BodyLimit
 from specdec.server.scheduler import End, Job, JobStream, NeverFits, QueueFull, Round, Scheduler, ShuttingDown
 from specdec.server.schemas import ChatRequest, CompletionRequest, SamplingFields, SpecdecOptions
-from specdec.server.tools import call_text, check_tools, may_be_call, read_calls, tool_grammar, with_tools
 from specdec.stats import summarize
+from specdec.tools import call_text, check_tools, may_be_call, read_calls, tool_grammar, with_tools
 
 log = logging.getLogger("specdec.server")
 
@@ -146,7 +146,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
 
     def constraint(body: SamplingFields, tools: tuple[list[dict[str, Any]], str | None] | None) -> dict[str, Any]:
         """The answer's grammar as the front door's keywords: response_format, or the tools'
-        (server/tools.py); checked here (400 naming the parameter)."""
+        (specdec.tools); checked here (400 naming the parameter)."""
         try:
             spec = grammar_of(body.response_format)
             if tools is not None and tools[1] != "none":
@@ -365,7 +365,7 @@ class _Shape:
     def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool,
                  tools: str | None = None) -> None:
         self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
-        self.tools = tools  # the tool choice where the answer may be a tool call (server/tools.py)
+        self.tools = tools  # the tool choice where the answer may be a tool call (specdec.tools)
         self.prompt_tokens, self.created = prompt_tokens, int(time.time())
         self.completion_tokens = 0
 

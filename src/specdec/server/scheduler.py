@@ -72,7 +72,7 @@ class Job:
     timeout_s: float | None = None
     endpoint: str = "completions"
     constraint: dict[str, Any] = field(default_factory=dict)  # response_format, regex or grammar (specdec.grammar)
-    tools: str | None = None  # the tool choice where the answer may be a tool call (server/tools.py)
+    tools: str | None = None  # the tool choice where the answer may be a tool call (specdec.tools)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     request: Request | None = None  # made from the fields above by the front door (`Scheduler.admit`)
     finish: Finish | None = None

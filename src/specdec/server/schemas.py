@@ -231,7 +231,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logprobs: bool | None = None
-    # functions the answer may call (server/tools.py): {"type": "function", "function": {"name",
+    # functions the answer may call (specdec.tools): {"type": "function", "function": {"name",
     # "description", "parameters"}}; tool_choice "auto" (default), "required", "none" or a named one
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -269,7 +269,8 @@ class BatchEngine:
         accepted token or node): its feature is where a feature prophet starts next step
         (none if the commit was cut short or the row ended)."""
         r = e.request
-        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.accepted + 1 and not r.done \
+        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.forced + e.accepted + 1 \
+            and not r.done \
             else None
 
     def _tree_step(self, active: Sequence[Request], draft: BatchDraft, d0: float, d1: float) -> list[StepEvent]:
@@ -534,8 +535,8 @@ class BatchEngine:
         """Commit the tokens each row's grammar forces (`Constraint.forced`: masked p is
         one-hot there at any temperature, so they are the target's tokens with certainty),
         within its length and the context; the rows they end (EOS, length) leave with their
-        event (next_kind "forced": no pass). The others draft from after them (an eagle's
-        feature no longer fits the row's last token: it waits a round)."""
+        event (next_kind "forced": no pass). The others draft from after them (a feature
+        prophet's feature is then `forced` tokens behind: an eagle catches up on them)."""
         ended = []
         for r in active:
             r.forced = 0
@@ -549,8 +550,6 @@ class BatchEngine:
                                                 r.max_new_tokens, self.target.max_length)
                 if r.finish_reason:
                     break
-            if tokens:
-                r.feature = None
             if r.done:
                 self._free_slot(r)
                 e = StepEvent(r, [], 0, r.generated[-1], "forced", r.generated[-r.forced:], r.finish_reason,

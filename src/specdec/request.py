@@ -42,7 +42,8 @@ class Request:
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
     # the same for each draft model's slot (its prophet state), by the draft model's name
     draft_cached: dict[str, int] = field(default_factory=dict)
-    feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
+    # (D,) the target's feature at context[-2 - forced] (feature prophets), or None
+    feature: torch.Tensor | None = None
     # the target's fused features (an eagle3 prophet's true slots) of positions fused_from.., in
     # chunks as target passes computed them, not yet in that prophet's cache
     fused: list[torch.Tensor] = field(default_factory=list, repr=False)

@@ -223,3 +223,24 @@ def test_many_rows_each_carry_their_own_grammar():
 def test_a_bad_grammar_is_a_clear_value_error(kwargs, message):
     with pytest.raises(GrammarError, match=message):
         decoder([]).generate(PROMPT, max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.slow
+def test_greedy_constrained_speculative_equals_plain_on_smollm2():
+    """SmolLM2 with its default prophets (prompt lookup, then its eagle, which catches up on
+    forced tokens) against plain decoding under the same grammar, token for token, on JSON
+    schemas of the structured suite, a regex and a tool call."""
+    from specdec import load
+    from specdec.bench.structured import items, load_suite
+
+    spec = load("smollm2")
+    plain = spec.plain()
+    work = items(load_suite(), 51, 10)
+    chosen = [w for w in work if w["shape"] in ("nested", "array", "patterns")][::3] + work[-3:]
+    for w in chosen:
+        want = plain.generate(messages=w["messages"], max_new_tokens=80, temperature=0, **w["constraint"])
+        got = spec.generate(messages=w["messages"], max_new_tokens=80, temperature=0, **w["constraint"])
+        assert got.token_ids == want.token_ids, w["name"]
+        assert got.stats.forced > 0 or w["kind"] == "tool"
+    ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    assert spec.generate(messages=ask, max_new_tokens=8, temperature=0, regex="(yes|no)").text in ("yes", "no")

@@ -84,6 +84,15 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
                            for f in ("n_accepted", "next_tokens", "bonus")))
 
 
+def from_entries(x: torch.Tensor, first: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """Row b's entries first[b] .. first[b] + counts[b] - 1 of x (B, n, ...), padded with zeros
+    to the most counts: (B, max(counts), ...)."""
+    out = torch.zeros((x.shape[0], max(counts), *x.shape[2:]), dtype=x.dtype, device=x.device)
+    for b, (a, n) in enumerate(zip(first, counts, strict=True)):
+        out[b, :n] = x[b, a: a + n]
+    return out
+
+
 def is_chain(tree: DraftTree) -> bool:
     """Whether a tree is one chain: one proposal a node, each node the last one's child (or empty)."""
     return tree.parents == list(range(-1, len(tree.tokens) - 1)) and len(tree.proposals) == len(tree.tokens)
@@ -226,7 +235,12 @@ class BatchEngine:
         one, and the features the head read where a prophet reads them (else None). The
         rows' target caches then hold all of it (the commit cuts them back)."""
         feeds = [r.context_from(r.target_cached) + list(t) for r, t in zip(active, drafts, strict=True)]
-        args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
+        # tokens a grammar forced this step are scored too (their logits dropped below): a scored token
+        # attends alone, as a one-token step attends (`llama.exact_attention`), so greedy rows keep
+        # plain decoding's bits, which a pending run of several tokens attended at once would not
+        lead = [r.forced for r in active]
+        args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds,
+                [len(t) + 1 + x for t, x in zip(drafts, lead, strict=True)])
         hidden = fused = None
         if self.fused_layers:
             # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
@@ -239,6 +253,9 @@ class BatchEngine:
         else:
             logits = self.target.forward(*args, trees=trees)
         self._fused = fused  # read by _keep_fused once the rows are committed
+        if any(lead):  # each row's entries from its last pending token on
+            logits = from_entries(logits, lead, [len(t) + 1 for t in drafts])
+            hidden = None if hidden is None else from_entries(hidden, lead, [len(t) + 1 for t in drafts])
         if any(r.constraint is not None for r in active):  # p under each row's grammar (`specdec.grammar`)
             logits = mask_logits(logits, active, drafts, trees)
         for r, f in zip(active, feeds, strict=True):

@@ -238,7 +238,7 @@ class BatchEngine:
         # tokens a grammar forced this step are scored too (their logits dropped below): a scored token
         # attends alone, as a one-token step attends (`llama.exact_attention`), so greedy rows keep
         # plain decoding's bits, which a pending run of several tokens attended at once would not
-        lead = [r.forced for r in active]
+        lead = [r.forced if trees is None else 0 for r in active]  # (a tree pass lays out its rows itself)
         args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds,
                 [len(t) + 1 + x for t, x in zip(drafts, lead, strict=True)])
         hidden = fused = None

@@ -44,8 +44,9 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]], str
         raise GrammarError("each tool needs a name of its own")
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
+        f = choice.get("function") if choice.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or name not in names:
             raise GrammarError(f"tool_choice names a function that is not among the tools: {name!r}")
         return functions, name
     if choice not in ("auto", "required", "none"):
@@ -92,6 +93,8 @@ def with_tools(messages: list[dict[str, Any]], functions: list[dict[str, Any]]) 
 
 def call_text(tool_calls: list[dict[str, Any]]) -> str:
     """An assistant message's earlier tool calls as the text the model wrote for them."""
+    if not isinstance(tool_calls, list):
+        raise GrammarError('a message\'s tool_calls must be a list of {"type": "function", "function": {...}}')
     out = []
     for call in tool_calls:
         f = call.get("function") if isinstance(call, dict) else None
@@ -100,7 +103,7 @@ def call_text(tool_calls: list[dict[str, Any]]) -> str:
                                '"arguments": "..."}}]')
         try:
             arguments = json.loads(f.get("arguments") or "{}")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, TypeError):
             raise GrammarError(f"the arguments of the earlier call of {f['name']!r} are not JSON") from None
         out.append(OPEN + json.dumps({"name": f["name"], "arguments": arguments}) + CLOSE)
     return "".join(out)

@@ -210,11 +210,17 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         template = getattr(tok, "chat_template", None)
         if tok is None or not template:
             raise ApiError(400, f"the model '{model_name}' has no chat template: use /v1/completions", "messages")
-        try:
-            messages = [{"role": m.role, "content": m.text() + call_text((m.model_extra or {}).get("tool_calls") or [])}
-                        for m in body.messages]
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
+        messages = []
+        for i, m in enumerate(body.messages):
+            try:
+                content = m.text()
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            try:
+                content += call_text((m.model_extra or {}).get("tool_calls") or [])
+            except ValueError as e:
+                raise ApiError(400, str(e), f"messages.{i}.tool_calls") from None
+            messages.append({"role": m.role, "content": content})
         extra: dict[str, Any] = {}
         if functions and "tools" in str(template):
             extra["tools"] = [{"type": "function", "function": f} for f in functions]

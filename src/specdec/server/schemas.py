@@ -29,8 +29,9 @@ _Bias = Annotated[float, Strict(), Field(ge=-100.0, le=100.0, allow_inf_nan=Fals
 # value is refused (400, naming the parameter) rather than silently ignored.
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     # chat requests take tools (ChatRequest's fields); a completion cannot
-    "tools": ((None, []), "tools (function calling) are supported on /v1/chat/completions only"),
-    "tool_choice": ((None, "none", "auto"), "tool_choice is supported on /v1/chat/completions only"),
+    "tools": ((None, []), "tools are not supported on /v1/completions: use /v1/chat/completions"),
+    "tool_choice": ((None, "none", "auto"), "tool_choice is not supported on /v1/completions: use "
+                                            "/v1/chat/completions"),
     "functions": ((None, []), "functions (function calling) are not supported: leave functions out or send []"),
     "function_call": ((None, "none", "auto"), "function_call is not supported (there are no functions): "
                                               "leave it out or send \"none\""),

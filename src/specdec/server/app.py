@@ -156,8 +156,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             if spec is not None:
                 check_grammar(spec)
         except GrammarError as e:
-            raise ApiError(400, str(e), "tools" if tools is not None and body.response_format is None
-                           else "response_format") from None
+            param = "tools" if tools is not None and body.response_format is None else "response_format"
+            raise ApiError(400, f"{param}: {e}", param) from None
         if spec is None:
             return {}
         return {"grammar": spec.source} if spec.kind == "lark" else {"response_format": body.response_format}
@@ -296,7 +296,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
             try:
                 tools = check_tools(body.tools, body.tool_choice)
             except GrammarError as e:
-                raise ApiError(400, str(e), "tools" if "tool_choice" not in str(e) else "tool_choice") from None
+                param = "tool_choice" if "tool_choice" in str(e) else "tools"
+                raise ApiError(400, str(e) if param in str(e) else f"{param}: {e}", param) from None
         elif body.tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice names a function but there are no tools", "tool_choice")
         ids = await run_in_threadpool(encode_chat, body, tools[0] if tools else None)

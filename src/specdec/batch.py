@@ -38,6 +38,7 @@ from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
 from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
+from specdec.grammar import inside_rows, mask_logits
 from specdec.heap import trim_heap
 from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama
@@ -82,6 +83,15 @@ def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.
     chosen = verify_greedy_rows(draft_tokens[greedy], [lens[b] for b in greedy], checked_argmax(logits[greedy], who))
     return RaggedVerdict(*(in_row_order(greedy + rest, [getattr(chosen, f), getattr(sampled, f)])
                            for f in ("n_accepted", "next_tokens", "bonus")))
+
+
+def from_entries(x: torch.Tensor, first: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """Row b's entries first[b] .. first[b] + counts[b] - 1 of x (B, n, ...), padded with zeros
+    to the most counts: (B, max(counts), ...)."""
+    out = torch.zeros((x.shape[0], max(counts), *x.shape[2:]), dtype=x.dtype, device=x.device)
+    for b, (a, n) in enumerate(zip(first, counts, strict=True)):
+        out[b, :n] = x[b, a: a + n]
+    return out
 
 
 def is_chain(tree: DraftTree) -> bool:
@@ -156,6 +166,10 @@ class BatchEngine:
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
             prefill_rows(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
             active = [r for r in active if row_prefilled(r, TARGET)]
+        # 1b. Tokens a row's grammar forces (one token allowed, `specdec.grammar`) are committed
+        #     now, with no draft and no pass; the prophets draft from after them.
+        refused += self._force(active)
+        active = [r for r in active if not r.done]
         if not active:
             return refused
         # 2. Draft up to k_b tokens per row (never past max_new_tokens or a context). Rows are
@@ -164,6 +178,8 @@ class BatchEngine:
         costs = self.kchoice.policy_costs(active)
         d0 = time.perf_counter()
         draft = self._draft(active, costs)
+        if draft.trees is None and any(r.constraint is not None for r in active):  # cut after a token outside
+            draft = draft.cut(inside_rows(active, draft.tokens))
         d1 = time.perf_counter()
         if draft.trees is not None:
             return refused + self._tree_step(active, draft, d0, d1)
@@ -220,7 +236,12 @@ class BatchEngine:
         one, and the features the head read where a prophet reads them (else None). The
         rows' target caches then hold all of it (the commit cuts them back)."""
         feeds = [r.context_from(r.target_cached) + list(t) for r, t in zip(active, drafts, strict=True)]
-        args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds, [len(t) + 1 for t in drafts])
+        # tokens a grammar forced this step are scored too (their logits dropped below): a scored token
+        # attends alone, as a one-token step attends (`llama.exact_attention`), so greedy rows keep
+        # plain decoding's bits, which a pending run of several tokens attended at once would not
+        lead = [r.forced if trees is None else 0 for r in active]  # (a tree pass lays out its rows itself)
+        args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds,
+                [len(t) + 1 + x for t, x in zip(drafts, lead, strict=True)])
         hidden = fused = None
         if self.fused_layers:
             # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
@@ -233,6 +254,11 @@ class BatchEngine:
         else:
             logits = self.target.forward(*args, trees=trees)
         self._fused = fused  # read by _keep_fused once the rows are committed
+        if any(lead):  # each row's entries from its last pending token on
+            logits = from_entries(logits, lead, [len(t) + 1 for t in drafts])
+            hidden = None if hidden is None else from_entries(hidden, lead, [len(t) + 1 for t in drafts])
+        if any(r.constraint is not None for r in active):  # p under each row's grammar (`specdec.grammar`)
+            logits = mask_logits(logits, active, drafts, trees)
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
         return logits, hidden
@@ -261,7 +287,8 @@ class BatchEngine:
         accepted token or node): its feature is where a feature prophet starts next step
         (none if the commit was cut short or the row ended)."""
         r = e.request
-        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.accepted + 1 and not r.done \
+        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.forced + e.accepted + 1 \
+            and not r.done \
             else None
 
     def _tree_step(self, active: Sequence[Request], draft: BatchDraft, d0: float, d1: float) -> list[StepEvent]:
@@ -376,7 +403,7 @@ class BatchEngine:
             drafted=list(e.drafted), accepted=e.accepted,
             next_token=e.next_token, next_kind=e.next_kind,
             committed=list(e.committed if committed is None else committed),
-            draft_calls=self._draft_calls(e), target_calls=1,
+            draft_calls=self._draft_calls(e), target_calls=int(e.next_kind != "forced"), forced=e.forced,
             start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
             target_span=(g0 - t0, g1 - t0), tree_size=e.tree_size,
             accepted_by=e.accepted_by if e.accepted_by is not None else [name] * e.accepted if name else [],
@@ -501,6 +528,8 @@ class BatchEngine:
                                               req.max_new_tokens, self.target.max_length)
             if req.finish_reason:
                 break
+        if req.constraint is not None:
+            req.constraint.commit(req.generated[before - len(req.prompt):])
         n_drafted = len(drafted) if n_drafted is None else n_drafted
         if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
             observe_recent(req.recent, prophet, n_accepted)
@@ -516,8 +545,37 @@ class BatchEngine:
         req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}
         if req.done:
             self._free_slot(req)
-        return StepEvent(req, drafted, n_accepted, next_token, kind, req.generated[before - len(req.prompt):],
-                         req.finish_reason, prophet if drafted else None)
+        return StepEvent(req, drafted, n_accepted, next_token, kind,
+                         req.generated[before - req.forced - len(req.prompt):], req.finish_reason,
+                         prophet if drafted else None, forced=req.forced)
+
+    def _force(self, active: Sequence[Request]) -> list[StepEvent]:
+        """Commit the tokens each row's grammar forces (`Constraint.forced`: masked p is
+        one-hot there at any temperature, so they are the target's tokens with certainty),
+        within its length and the context; the rows they end (EOS, length) leave with their
+        event (next_kind "forced": no pass). The others draft from after them (a feature
+        prophet's feature is then `forced` tokens behind: an eagle catches up on them)."""
+        ended = []
+        for r in active:
+            r.forced = 0
+            if r.constraint is None:
+                continue
+            tokens = r.constraint.forced(min(r.max_new_tokens - len(r.generated), self.target.max_length - r.length))
+            for token in tokens:
+                r.generated.append(token)
+                r.forced += 1
+                r.finish_reason = finish_reason(token, len(r.generated), r.length, self.eos_token_ids,
+                                                r.max_new_tokens, self.target.max_length)
+                if r.finish_reason:
+                    break
+            if r.done:
+                self._free_slot(r)
+                e = StepEvent(r, [], 0, r.generated[-1], "forced", r.generated[-r.forced:], r.finish_reason,
+                              forced=r.forced)
+                now = time.perf_counter()
+                e.spans = ((now, now), (now, now))
+                ended.append(e)
+        return ended
 
     # ----------------------------------------------------------------- many prompts
     def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = MAX_NEW_TOKENS,

@@ -118,6 +118,8 @@ def _stats_table(stats: Any, title: str) -> Any:
     for key in ["rounds", "target_calls", "draft_calls", "drafted", "accepted", "recovered", "bonus", "cut",
                 "new_tokens"]:
         t.add_row(key, str(d[key]))
+    if d["forced"]:
+        t.add_row("forced (by the grammar, no pass)", str(d["forced"]))
     t.add_row("acceptance_rate (accepted/drafted)", f"{d['acceptance_rate']:.3f}")
     t.add_row("alpha (per tested position)", f"{d['alpha']:.3f}")
     t.add_row("tokens_per_round", f"{d['tokens_per_round']:.2f}")
@@ -249,6 +251,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
               f"prompt {prompt_tokens} tokens, {cached} from the prefix cache]", file=sys.stderr)
 
 
+def _read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"cannot read the {what} {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+
+
+def _constraint_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The output constraint the flags ask for (--json-schema FILE, --json-object, --regex,
+    --grammar FILE), as generate's keywords; its shape checked before the models load."""
+    from specdec.grammar import check_grammar, grammar_of, json_schema_grammar
+
+    given = [f for f, v in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                            ("--regex", args.regex), ("--grammar", args.grammar)) if v]
+    if len(given) > 1:
+        raise SpecdecError("pass one of --json-schema, --json-object, --regex and --grammar, "
+                           f"not {' and '.join(given)}")
+    out: dict[str, Any] = {}
+    if args.json_schema:
+        schema = json.loads(json_schema_grammar(_read_text(args.json_schema, "JSON schema")).source)
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    elif args.json_object:
+        out["response_format"] = {"type": "json_object"}
+    elif args.regex:
+        out["regex"] = args.regex
+    elif args.grammar:
+        out["grammar"] = _read_text(args.grammar, "grammar")
+    spec = grammar_of(**out)
+    if spec is not None:
+        check_grammar(spec)
+    return out
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -258,11 +293,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("give a prompt or --prompts-file FILE (not both)")
     if args.sampling not in SAMPLING_MODES:  # before the models load; one line, exit 2
         raise SpecdecError(f"--sampling must be one of {', '.join(SAMPLING_MODES)}, got {args.sampling!r}")
+    constraint = _constraint_args(args)
     decoder = _load(args)
     chat = _chat(args, decoder)
     settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None,
-                                    sampling=args.sampling)
+                                    sampling=args.sampling, **constraint)
     if chat:  # the prompt is the user's message, formatted with the model's chat template
         settings["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -503,6 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the most tokens to generate (default {MAX_NEW_TOKENS}, or the room the prompt leaves in the "
                         "context if that is less)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the answer is JSON valid against this JSON schema (constrained decoding, exact)")
+    g.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    g.add_argument("--regex", default=None, help="the answer matches this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="the answer follows this Lark grammar")
     g.add_argument("--json", action="store_true",
                    help="print one JSON document on stdout and nothing else (text, token_ids, stats); "
                         "progress and notes go to stderr")
@@ -646,10 +687,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="default", choices=["default", "float32", "bfloat16", "auto", "int4"],
                    help="the target's weights for every configuration (default: as `specdec run` loads the "
                         "target: int4 for smollm2 on the CPU, float32 for other models)")
-    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench"],
+    b.add_argument("--suite", default="auto", choices=["auto", "code", "chat", "spec-bench", "structured"],
                    help="prompts: code (stdlib, bundled pair) or chat (instruct targets; auto: chat for smollm2); "
                         "spec-bench: Spec-Bench's questions (--questions), plain decoding against the target's "
-                        "default decoder, per task and overall: speedup, tokens per target pass, acceptance")
+                        "default decoder, per task and overall: speedup, tokens per target pass, acceptance; "
+                        "structured: 51 JSON schemas and 10 tool calls, speculative and plain constrained "
+                        "decoding and plain unconstrained, validity (jsonschema), forced tokens, mask time "
+                        "(--quick: 10 and 4; --per-category N: N schemas)")
     b.add_argument("--questions", default=None, metavar="FILE",
                    help="--suite spec-bench: Spec-Bench's question.jsonl (one {question_id, category, turns} "
                         "object per line; the first turn of each is asked)")

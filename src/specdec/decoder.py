@@ -32,6 +32,7 @@ from specdec.errors import ContextLengthError
 from specdec.events import RoundEvent
 from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
+from specdec.grammar import Constraint, Vocabulary, grammar_of
 from specdec.lm import CausalLM
 from specdec.policy import Policy, make_policy
 from specdec.prophets.base import Prophet
@@ -118,6 +119,8 @@ class SpeculativeDecoder:
         self.prefix_cache_mb = 0.0
         self.branches = 1  # > 1: an eagle grows a token tree each round, up to this many children a node
         self.eos_token_ids = set(eos_token_ids)
+        # the grammar engine's view of the tokens: the tokenizer's, read at first use (or set)
+        self.vocabulary: Vocabulary | None = None
         self._feature_readers = [d for d in self.prophets if d.reads_features]
         if self._feature_readers and not target.offers_hidden:
             raise ValueError(f"target '{target.name}' does not expose its hidden states, which "
@@ -134,10 +137,17 @@ class SpeculativeDecoder:
                  seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                  messages: Sequence[dict[str, str]] | None = None,
                  prophets: Sequence[str] | None = None, policy: str | None = None,
-                 sampling: str = "rejection") -> Generation:
+                 sampling: str = "rejection", response_format: dict[str, Any] | None = None,
+                 regex: str | None = None, grammar: str | None = None) -> Generation:
         """Generate a continuation; the same arguments as `stream`, all rounds collected."""
         req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
-                                   messages, prophets, policy, sampling)
+                                   messages, prophets, policy, sampling, response_format=response_format,
+                                   regex=regex, grammar=grammar)
+        return self.run(req, finish)
+
+    def run(self, req: Request, finish: Finish) -> Generation:
+        """Run a request made by `request` (alone, on the decoder's own loop) to its end: what
+        `generate` returns. The request keeps its state (its grammar's `Constraint`, say)."""
         events = list(self._step_alone(req, finish, False))
         return Generation(finish.final_text(req.generated), list(req.generated), list(req.prompt),
                           req.finish_reason or "length", events, summarize(events))
@@ -146,7 +156,8 @@ class SpeculativeDecoder:
                       **settings: Any) -> list[Generation]:
         """Generate for many prompts; each may be a dict carrying its own settings
         ({"prompt" or "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-        "draft_tokens", "stop", "sampling", "prophets", "policy"}), the rest take `settings`. They run as rows of one
+        "draft_tokens", "stop", "sampling", "prophets", "policy", "response_format", "regex",
+        "grammar"}), the rest take `settings`. They run as rows of one
         batch on the one loop (specdec.batch: rows join and leave, each accepts its own number
         of tokens), each request made as `generate` makes it (`request`). Each result follows
         the target's distribution exactly; greedy results are the tokens `generate` gives for
@@ -156,7 +167,8 @@ class SpeculativeDecoder:
         jobs = [{**settings, **item} for item in items]
         for job in jobs:
             unknown = set(job) - {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                  "draft_tokens", "stop", "sampling", "prophets", "policy"}
+                                  "draft_tokens", "stop", "sampling", "prophets", "policy", "response_format",
+                                  "regex", "grammar"}
             if unknown:
                 raise ValueError(f"unknown generation setting(s) {sorted(unknown)}")
         from specdec.wiring import engine_for
@@ -175,7 +187,8 @@ class SpeculativeDecoder:
                seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                messages: Sequence[dict[str, str]] | None = None,
                prophets: Sequence[str] | None = None, policy: str | None = None,
-               sampling: str = "rejection") -> Iterator[RoundEvent]:
+               sampling: str = "rejection", response_format: dict[str, Any] | None = None,
+               regex: str | None = None, grammar: str | None = None) -> Iterator[RoundEvent]:
         """Yield one event per round; each carries the text it releases (`event.text`).
         `messages` ([{"role": ..., "content": ...}], instead of a prompt) is formatted with the
         tokenizer's chat template; the template's end token ends the answer. `prophets`: only
@@ -184,30 +197,49 @@ class SpeculativeDecoder:
         `sampling`: "rejection" (default: the verifier's own draws) or "coupled" (every draw
         keyed by the seed and the token's position, so a seeded output equals seeded plain
         coupled sampling token for token, whatever the prophets, K or batch; an exact sample
-        of the target either way, see specdec.sampling)."""
+        of the target either way, see specdec.sampling). `response_format` (OpenAI's: {"type":
+        "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}), `regex` or
+        `grammar` (Lark): the answer follows it (specdec.grammar), an exact sample of the
+        target's distribution under the constraint; it ends where the grammar is complete."""
         req, finish = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_tokens, stop,
-                                   messages, prophets, policy, sampling)
+                                   messages, prophets, policy, sampling, response_format=response_format,
+                                   regex=regex, grammar=grammar)
         yield from self._step_alone(req, finish, True)
 
     def request(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int | None = None,
                 temperature: float = TEMPERATURE, top_k: int | None = None, top_p: float = TOP_P,
                 seed: int | None = None, draft_tokens: int | None = None, stop: str | Sequence[str] | None = None,
                 messages: Sequence[dict[str, str]] | None = None, prophets: Sequence[str] | None = None,
-                policy: str | None = None, sampling: str = "rejection", plain: bool = False) -> tuple[Request, Finish]:
+                policy: str | None = None, sampling: str = "rejection", plain: bool = False,
+                response_format: dict[str, Any] | None = None, regex: str | None = None,
+                grammar: str | None = None) -> tuple[Request, Finish]:
         """The front door: a request for the one loop (the arguments of `generate`), checked,
         with a K policy of its own (the decoder's, copied, or one of the kind named), and its
         finishing (stop strings, text). `generate`, `stream`, `generate_many` and the server
         run only what it makes. The prompt and `max_new_tokens` together must fit the target's
         context (None: MAX_NEW_TOKENS, or the room the prompt leaves if that is less). plain:
-        no prophet drafts for it."""
+        no prophet drafts for it. response_format, regex, grammar: the output's constraint (at
+        most one; `specdec.grammar.GrammarError`, a ValueError, where it is malformed)."""
+        constraint = self.constraint(response_format, regex, grammar)
         ids, allowed, pol, stops, max_new_tokens = self._checked(
             self._chat_or_prompt(prompt, messages), max_new_tokens, draft_tokens, stop, prophets, policy, sampling)
         if pol is self.policy:
             pol = copy.deepcopy(pol)  # the request's own: interleaved requests never share one
         k = (draft_tokens or self.policy.k0) if self.prophets and not plain else 0
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p), k, seed, pol if k else None,
-                      allowed, sampling)
+                      allowed, sampling, constraint=constraint)
         return req, Finish(self.tokenizer, stops)
+
+    def constraint(self, response_format: dict[str, Any] | None = None, regex: str | None = None,
+                   grammar: str | None = None) -> Constraint | None:
+        """A fresh grammar state for one request (`specdec.grammar`), or None where nothing is
+        asked; the model's vocabulary is read for the grammar engine once per decoder."""
+        spec = grammar_of(response_format, regex, grammar)
+        if spec is None:
+            return None
+        if self.vocabulary is None:
+            self.vocabulary = Vocabulary.of(self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids))
+        return self.vocabulary.compile(spec)
 
     @property
     def prefix_cache(self) -> Any:

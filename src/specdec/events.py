@@ -30,20 +30,27 @@ class RoundEvent:
     proposals: dict[str, int] = field(default_factory=dict)  # tokens proposed per prophet
     text: str = ""  # text released to a stream this round
     finish_reason: str | None = None
+    # leading committed tokens the request's grammar forced (specdec.grammar: one token allowed,
+    # so no draft and no pass); a round that ended inside them has next_kind "forced", no pass
+    forced: int = 0
 
     @property
     def accepted_out(self) -> int:
         """Accepted drafted tokens that reached the output, the round's closing token aside:
         `accepted`, unless EOS, a stop string or the length cut the round inside its accepted
         run; then the last token that reached the output closes the round (`cut`), and the
-        tokens the cut threw away count nowhere. accepted_out + 1 == len(committed)."""
-        return min(self.accepted, max(len(self.committed) - 1, 0))
+        tokens the cut threw away count nowhere. forced + accepted_out + 1 == len(committed)
+        (forced == len(committed) in a round that ended inside its forced tokens)."""
+        return min(self.accepted, max(len(self.committed) - self.forced - 1, 0))
 
     @property
     def closing_kind(self) -> str:
         """How the round's last output token came: "recovered" or "bonus" (the target's
-        token), or "cut" (an accepted drafted token after which the output ended)."""
-        return self.next_kind if len(self.committed) > self.accepted else "cut"
+        token), "cut" (an accepted drafted token after which the output ended), or "forced"
+        (the output ended inside the tokens its grammar forced, before any pass)."""
+        if self.next_kind == "forced":
+            return "forced"
+        return self.next_kind if len(self.committed) - self.forced > self.accepted else "cut"
 
     @property
     def draft_s(self) -> float:

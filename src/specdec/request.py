@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specdec.defaults import MAX_NEW_TOKENS
+from specdec.grammar import Constraint
 from specdec.policy import Policy
 from specdec.sampling import KeepDrafting, SamplingParams, check_sampling
 
@@ -41,7 +42,8 @@ class Request:
     target_cached: int = 0  # leading context tokens whose keys/values are in the target's slot
     # the same for each draft model's slot (its prophet state), by the draft model's name
     draft_cached: dict[str, int] = field(default_factory=dict)
-    feature: torch.Tensor | None = None  # (D,) the target's feature at context[-2] (feature prophets), or None
+    # (D,) the target's feature at context[-2 - forced] (feature prophets), or None
+    feature: torch.Tensor | None = None
     # the target's fused features (an eagle3 prophet's true slots) of positions fused_from.., in
     # chunks as target passes computed them, not yet in that prophet's cache
     fused: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -50,6 +52,9 @@ class Request:
     lookups: dict[str, Any] = field(default_factory=dict, repr=False)
     prefix_hit: int = 0  # leading prompt positions the prefix cache gave it (not read again)
     prefix_stored: bool = False  # its prompt's blocks went to the prefix cache (or were there)
+    # its output's grammar (specdec.grammar), advanced over the committed output; None: unconstrained
+    constraint: Constraint | None = field(default=None, repr=False)
+    forced: int = 0  # tokens the grammar forced at the start of this step (committed before drafting)
     seed_used: int = field(init=False, repr=False, default=0)  # the seed, drawn when none was given
     generator: torch.Generator = field(init=False, repr=False)
 
@@ -106,6 +111,7 @@ class StepEvent:
     tree_size: int = 0
     accepted_by: list[str] | None = None
     proposals: dict[str, int] | None = None
+    forced: int = 0  # leading committed tokens the grammar forced (no draft, no pass; specdec.grammar)
 
 
 

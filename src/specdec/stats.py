@@ -9,7 +9,10 @@ Only tokens that reached the output count. Each round's output is its accepted r
 closing token: the recovered or bonus token, or, where EOS, a stop string or the length
 ended the output inside the accepted run, the last accepted token kept (counted as `cut`;
 the drafted tokens after it count nowhere). So accepted + rounds == new_tokens ==
-accepted + recovered + bonus + cut, always.
+accepted + recovered + bonus + cut, always, for an unconstrained request. Under a grammar
+(specdec.grammar) a round's output starts with the tokens the grammar forced (`forced`, no
+draft, no pass), and a round may end inside them (closing kind "forced"): then
+forced + accepted + recovered + bonus + cut == new_tokens.
 
 `alpha` is the per-position acceptance probability of the theory (Leviathan et al.'s
 alpha): of the drafted tokens that were actually tested (those up to and including the
@@ -37,6 +40,7 @@ class Stats:
     recovered: int = 0
     bonus: int = 0
     cut: int = 0  # rounds that EOS, a stop string or the length ended inside the accepted run
+    forced: int = 0  # tokens a grammar forced (specdec.grammar): no draft, no pass
     new_tokens: int = 0
     acceptance_rate: float = 0.0
     alpha: float = 0.0
@@ -100,6 +104,7 @@ def summarize(events: Sequence[RoundEvent]) -> Stats:
         s.recovered += kind == "recovered"
         s.bonus += kind == "bonus"
         s.cut += kind == "cut"
+        s.forced += e.forced
         s.new_tokens += len(e.committed)
         s.draft_s += e.draft_s
         s.target_s += e.target_s

@@ -250,6 +250,10 @@ def run_bench(args: Any) -> dict[str, Any]:
 
     if getattr(args, "suite", None) == "spec-bench":
         return run_specbench(args)
+    if getattr(args, "suite", None) == "structured":
+        from specdec.bench.structured import run_structured
+
+        return run_structured(args)
     for flag, attr in (("--questions", "questions"), ("--per-task", "per_task"), ("--draft", "draft"),
                        ("--branches", "branches")):
         if getattr(args, attr, None) is not None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from specdec import qgemm
 from specdec.branching import TreeBudget, draw_gains, fit_scale
+from specdec.grammar import mask_draft
 from specdec.lm import tree_depths
 from specdec.prophets.base import BatchDraft, Budget, Prophet, in_row_order, probs_by_params
 from specdec.request import Request, batch_free, keep_drafting_rows
@@ -269,7 +270,9 @@ class FeatureProphet(Prophet):
     def propose_chains(self, reqs: Sequence[Request], ks: Sequence[int]) -> BatchDraft:
         """`propose` without branches: a chain per row (what the step costs measure per draft step)."""
         p = self
-        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        # a row whose grammar forced tokens this step: an eagle catches up on them (`_catch_up`), a medusa waits
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True))
+                if k > 0 and r.feature is not None and (not r.forced or p.head.kind == "eagle")]
         tokens: list[list[int]] = [[] for _ in reqs]
         if not rows:
             return BatchDraft(tokens, None)
@@ -279,12 +282,15 @@ class FeatureProphet(Prophet):
         sampled = [i for i, b in enumerate(rows) if not reqs[b].params.greedy]
         probs = torch.zeros(len(reqs), max(k_rows), self.full_vocab, device=p.embed.device) if sampled else None
         h0 = torch.stack([reqs[b].feature for b in rows]).to(p.dtype)  # type: ignore[misc]
-        h, last = h0, torch.tensor([reqs[b].context[-1] for b in rows], device=h0.device)
+        h, last = _catch_up(p, h0, [reqs[b] for b in rows]), torch.tensor([reqs[b].context[-1] for b in rows],
+                                                                        device=h0.device)
         # a seeded sampled row's draws must not depend on the rows beside it: where the products are not
         # rows-invariant (torch's kernels change with the row count), such a row's guesses are computed alone
         alone = [] if p.rows_invariant else [i for i, b in enumerate(rows) if not batch_free(reqs[b])]
         for j in range(1, max(k_rows) + 1):
             h, sub = _guess(p, h, h0, last, j, alone)  # sub (B', N): logits over the draft vocabulary (q 0 elsewhere)
+            if any(reqs[b].constraint is not None for b in rows):  # q under each row's grammar, along its draft
+                sub = mask_draft(sub, [reqs[b] for b in rows], [tokens[b] for b in rows], p.vocab_ids)
             check_logits(sub, who)
             picked = p.vocab_ids[sub.argmax(-1)].tolist()  # a greedy row's token
             drawing = [i for i in sampled if k_rows[i] >= j]  # a row draws only while it drafts: its
@@ -321,7 +327,8 @@ class FeatureProphet(Prophet):
         who = f"prophet '{self.name}'"
         trees = [DraftTree() for _ in reqs]
         chains: list[dict[str, list[int]]] = [{} for _ in reqs]
-        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0 and r.feature is not None]
+        rows = [b for b, (r, k) in enumerate(zip(reqs, ks, strict=True))
+                if k > 0 and r.feature is not None and not r.forced]  # forced tokens: its feature is behind
         budgets = {b: TreeBudget(_row_costs(reqs[b]), self.name) for b in rows}
         scale = {b: fit_scale(reqs[b].tree_fit) for b in rows}
         # the nodes to expand (row, node, the feature guessed before it, its token, its chance)
@@ -414,6 +421,22 @@ def _q_of(q: torch.Tensor, ids: torch.Tensor, token: int) -> float:
 def _row_costs(req: Request) -> Any:
     """The costs a row's policy weighs (set by the engine each step), or None."""
     return getattr(req.policy, "costs", None) if req.policy is not None else None
+
+
+def _catch_up(p: FeatureProphet, h0: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """The rows' starting features (B', D), each moved over the tokens its grammar forced this
+    step (`Request.forced`: its feature is the target's that many tokens back) by the eagle's
+    own steps, as if it had drafted them: the feature it then drafts from."""
+    if not any(r.forced for r in reqs):
+        return h0
+    h = h0.clone()
+    for i, r in enumerate(reqs):
+        ctx, m = r.context, r.forced
+        hi = h0[i: i + 1]
+        for t in range(m):  # the tokens at context[-1 - m] .. context[-2]
+            hi = p.guess(hi, h0[i: i + 1], torch.tensor([ctx[-1 - m + t]], device=h0.device), t + 1)
+        h[i] = hi[0]
+    return h
 
 
 def _guess(p: FeatureProphet, h: torch.Tensor, h0: torch.Tensor, last: torch.Tensor, j: int,

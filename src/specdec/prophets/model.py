@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.grammar import mask_draft
 from specdec.lm import CausalLM
 from specdec.prophets.base import BatchDraft, Budget, Prophet, probs_by_params
 from specdec.request import Request, keep_drafting_rows, row_cached, row_slot
@@ -58,6 +59,8 @@ class ModelSteps(Prophet):
                 break
             logits = self._logits([row_slot(reqs[b]) for b in live], [at[b] for b in live],
                                   [feeds[b] for b in live])  # (B_live, V)
+            if any(reqs[b].constraint is not None for b in live):  # q under each row's grammar, along its draft
+                logits = mask_draft(logits, [reqs[b] for b in live], [tokens[b] for b in live])
             q = probs_by_params(logits[:, None], [reqs[b] for b in live], f"prophet '{self.name}'")[:, 0]
             probs[live, j] = q
             greedy = q.argmax(-1).tolist()  # (B_live,) the token of a greedy row, whose q is one-hot

@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from specdec.decoder import SpeculativeDecoder
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, SERVE_PREFIX_CACHE_MB, TEMPERATURE, TOP_P, display_name
 from specdec.errors import ContextLengthError, SpecdecError
+from specdec.grammar import GrammarError, check_grammar, grammar_of
 from specdec.heap import release_load_memory
 from specdec.openmp import release_pool
 from specdec.policy import POLICIES
@@ -44,6 +45,7 @@ from specdec.server.middleware import ApiKeyAuth, BodyLimit
 from specdec.server.scheduler import End, Job, JobStream, NeverFits, QueueFull, Round, Scheduler, ShuttingDown
 from specdec.server.schemas import ChatRequest, CompletionRequest, SamplingFields, SpecdecOptions
 from specdec.stats import summarize
+from specdec.tools import call_text, check_tools, may_be_call, read_calls, tool_grammar, with_tools
 
 log = logging.getLogger("specdec.server")
 
@@ -142,6 +144,24 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                    timeout_s=config.timeout_s,
                    endpoint=endpoint)
 
+    def constraint(body: SamplingFields, tools: tuple[list[dict[str, Any]], str | None] | None) -> dict[str, Any]:
+        """The answer's grammar as the front door's keywords: response_format, or the tools'
+        (specdec.tools); checked here (400 naming the parameter)."""
+        try:
+            spec = grammar_of(body.response_format)
+            if tools is not None and tools[1] != "none":
+                if spec is not None:
+                    raise GrammarError("pass response_format or tools with tool_choice other than \"none\", not both")
+                spec = tool_grammar(*tools)
+            if spec is not None:
+                check_grammar(spec)
+        except GrammarError as e:
+            param = "tools" if tools is not None and body.response_format is None else "response_format"
+            raise ApiError(400, f"{param}: {e}", param) from None
+        if spec is None:
+            return {}
+        return {"grammar": spec.source} if spec.kind == "lark" else {"response_format": body.response_format}
+
     def check_common(body: SamplingFields) -> None:
         if body.model is not None and body.model != model_name:
             raise ApiError(400, f"the model '{body.model[:100]}' is not served here; this server serves "
@@ -183,16 +203,31 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         with tokenizer_lock:
             return list(decoder.tokenizer(prompt)["input_ids"])
 
-    def encode_chat(body: ChatRequest) -> list[int]:
+    def encode_chat(body: ChatRequest, functions: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's ids in the chat template; earlier tool calls as the text that
+        wrote them, the tools in the template where it takes them, else in a system message."""
         tok = decoder.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if tok is None or not template:
             raise ApiError(400, f"the model '{model_name}' has no chat template: use /v1/completions", "messages")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
+        messages = []
+        for i, m in enumerate(body.messages):
+            try:
+                content = m.text()
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            try:
+                content += call_text((m.model_extra or {}).get("tool_calls") or [])
+            except ValueError as e:
+                raise ApiError(400, str(e), f"messages.{i}.tool_calls") from None
+            messages.append({"role": m.role, "content": content})
+        extra: dict[str, Any] = {}
+        if functions and "tools" in str(template):
+            extra["tools"] = [{"type": "function", "function": f} for f in functions]
+        elif functions:
+            messages = with_tools(messages, functions)
         with tokenizer_lock:
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 
@@ -217,6 +252,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
                 return
 
     async def run(request: Request, job: Job, chat: bool, include_usage: bool, stream_it: bool) -> Response:
+        """Queue the job; its answer as one response or streamed (a tool call, where the job
+        may make one, read back as tool_calls)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + job.id
         stream = submit(job)
         watcher = asyncio.create_task(watch(request, stream))
@@ -229,7 +266,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         if isinstance(first, End) and first.reason != "done":
             watcher.cancel()
             raise _end_to_error(first)
-        shape = _Shape(rid, model_name, chat, len(job.ids), include_usage)
+        shape = _Shape(rid, model_name, chat, len(job.ids), include_usage, job.tools)
         if stream_it:
             return EventStream(shape.sse(first, stream, watcher))
         try:
@@ -245,7 +282,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         job = settings(body, body.max_tokens, len(ids), "completions")
-        job.ids = ids
+        job.ids, job.constraint = ids, constraint(body, None)
         admit(job, "prompt" if body.max_tokens is None else "max_tokens")
         check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -254,11 +291,21 @@ def create_app(decoder: SpeculativeDecoder, model_name: str = "specdec", config:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_common(body)
-        ids = await run_in_threadpool(encode_chat, body)
+        tools = None
+        if body.tools:
+            try:
+                tools = check_tools(body.tools, body.tool_choice)
+            except GrammarError as e:
+                param = "tool_choice" if "tool_choice" in str(e) else "tools"
+                raise ApiError(400, str(e) if param in str(e) else f"{param}: {e}", param) from None
+        elif body.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice names a function but there are no tools", "tool_choice")
+        ids = await run_in_threadpool(encode_chat, body, tools[0] if tools else None)
         if not ids:
             raise ApiError(400, "the prompt is empty", "messages")
         job = settings(body, body.max_completion_tokens or body.max_tokens, len(ids), "chat")
-        job.ids = ids
+        job.ids, job.constraint = ids, constraint(body, tools)
+        job.tools = tools[1] if tools is not None and tools[1] != "none" else None
         admit(job, "messages" if (body.max_completion_tokens or body.max_tokens) is None else "max_tokens")
         check_memory(job)
         usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -322,8 +369,10 @@ def _finish(reason: str | None) -> str | None:
 class _Shape:
     """OpenAI's response and chunk shapes for one request."""
 
-    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool,
+                 tools: str | None = None) -> None:
         self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
+        self.tools = tools  # the tool choice where the answer may be a tool call (specdec.tools)
         self.prompt_tokens, self.created = prompt_tokens, int(time.time())
         self.completion_tokens = 0
 
@@ -343,9 +392,14 @@ class _Shape:
         text = "".join(e.text for e in events)
         self.completion_tokens = sum(len(e.committed) for e in events)
         reason = _finish(events[-1].finish_reason if events else "length") or "length"
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": reason, "logprobs": None}
+        calls = read_calls(text) if self.tools else None
+        if calls is not None:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
+                                                              "tool_calls": calls},
+                                      "finish_reason": "tool_calls", "logprobs": None}
+        elif self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         stats = summarize(events).to_dict()
@@ -374,16 +428,30 @@ class _Shape:
     async def sse(self, first: Round | End, stream: JobStream,
                   watcher: asyncio.Task[None]) -> AsyncGenerator[str, None]:
         try:
-            item, n = first, 0
+            # a tool call is held back until the answer ends, then sent as one tool_calls delta;
+            # text is sent as it comes once it cannot be a call (`may_be_call`)
+            item, n, held, deciding = first, 0, "", bool(self.tools)
             while isinstance(item, Round):
                 e = item.event
                 self.completion_tokens += len(e.committed)
+                text, finish, calls = e.text, _finish(e.finish_reason), None
+                if deciding:
+                    held, text = held + text, ""
+                    if not may_be_call(held):
+                        text, held, deciding = held, "", False
+                    elif finish is not None:
+                        calls = read_calls(held)
+                        text, finish = ("", "tool_calls") if calls is not None else (held, finish)
                 extra = {"round": e.index, "prophet": e.prophet, "drafted": item.drafted_text, "drafted_ids": e.drafted,
                          "accepted": e.accepted, "next_kind": e.next_kind, "next_token": item.next_text,
                          "committed": len(e.committed), "draft_ms": round(e.draft_s * 1e3, 3),
                          "target_ms": round(e.target_s * 1e3, 3), "start_ms": round(e.start * 1e3, 3),
                          "end_ms": round(e.end * 1e3, 3)} if stream.job.details else None
-                yield self.chunk([self.choice(e.text, _finish(e.finish_reason), n == 0)], extra)
+                choice = self.choice(text, finish, n == 0)
+                if calls is not None:
+                    choice["delta"] = {**({"role": "assistant"} if n == 0 else {}), "content": None,
+                                       "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                yield self.chunk([choice], extra)
                 n += 1
                 item = await anext(stream)
             if item.reason == "deadline":

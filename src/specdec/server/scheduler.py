@@ -29,6 +29,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.batch import BatchEngine, BatchLlama
 from specdec.decoder import SpeculativeDecoder
@@ -70,6 +71,8 @@ class Job:
     details: bool = True  # token texts of each round, for the web view
     timeout_s: float | None = None
     endpoint: str = "completions"
+    constraint: dict[str, Any] = field(default_factory=dict)  # response_format, regex or grammar (specdec.grammar)
+    tools: str | None = None  # the tool choice where the answer may be a tool call (specdec.tools)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     request: Request | None = None  # made from the fields above by the front door (`Scheduler.admit`)
     finish: Finish | None = None
@@ -328,7 +331,8 @@ class Scheduler:
         if job.request is None:
             job.request, job.finish = self.decoder.request(
                 job.ids, job.max_tokens, job.temperature, job.top_k, job.top_p, job.seed, job.draft_tokens, job.stop,
-                None, job.prophets, job.policy, job.sampling, plain=job.plain or self.engine.prophet is None)
+                None, job.prophets, job.policy, job.sampling, plain=job.plain or self.engine.prophet is None,
+                **job.constraint)
         assert job.finish is not None
         return job.request, job.finish
 

@@ -28,14 +28,13 @@ _Bias = Annotated[float, Strict(), Field(ge=-100.0, le=100.0, allow_inf_nan=Fals
 # OpenAI parameters that are not fields here, with the values that mean "off". Any other
 # value is refused (400, naming the parameter) rather than silently ignored.
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tools (function calling) are not supported: leave tools out or send []"),
-    "tool_choice": ((None, "none", "auto"), "tool_choice is not supported (there are no tools): "
-                                            "leave it out or send \"none\""),
+    # chat requests take tools (ChatRequest's fields); a completion cannot
+    "tools": ((None, []), "tools are not supported on /v1/completions: use /v1/chat/completions"),
+    "tool_choice": ((None, "none", "auto"), "tool_choice is not supported on /v1/completions: use "
+                                            "/v1/chat/completions"),
     "functions": ((None, []), "functions (function calling) are not supported: leave functions out or send []"),
     "function_call": ((None, "none", "auto"), "function_call is not supported (there are no functions): "
                                               "leave it out or send \"none\""),
-    "response_format": ((None, {"type": "text"}), "response_format is not supported: the server writes plain "
-                                                  "text only (leave it out or send {\"type\": \"text\"})"),
     "modalities": ((None, ["text"]), "modalities other than [\"text\"] are not supported"),
     "audio": ((None,), "audio is not supported"),
     "prediction": ((None,), "prediction (predicted outputs) is not supported"),
@@ -137,6 +136,9 @@ class SamplingFields(BaseModel):
     # None (or absent): "rejection". "coupled": every draw keyed by (seed, position), so a seeded
     # answer is seeded plain coupled sampling's whatever the prophet, K or batch (specdec.sampling)
     sampling: Literal["rejection", "coupled"] | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}:
+    # the answer follows it (specdec.grammar), exact under the constraint
+    response_format: dict[str, Any] | None = None
     specdec: SpecdecOptions | None = None
 
     @field_validator("model", "stop", "user")
@@ -217,8 +219,8 @@ class ChatMessage(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a part of the message that the prompt cannot carry."""
         extra = self.model_extra or {}
-        if not neutral(extra.get("tool_calls"), (None, [])):
-            return "tool_calls", "tool_calls are not supported (there are no tools)"
+        if not neutral(extra.get("tool_calls"), (None, [])) and self.role != "assistant":
+            return "tool_calls", "only an assistant message carries tool_calls"
         if not neutral(extra.get("function_call"), (None,)):
             return "function_call", "function_call is not supported (there are no functions)"
         return None
@@ -230,6 +232,16 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logprobs: bool | None = None
+    # functions the answer may call (specdec.tools): {"type": "function", "function": {"name",
+    # "description", "parameters"}}; tool_choice "auto" (default), "required", "none" or a named one
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # an answer makes at most one call either way
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _tools_text(cls, v: Any) -> Any:
+        return check_text(v)
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

@@ -20,22 +20,35 @@ import os
 
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (PyTorch's own copy or the system's), or None."""
+    """The libgomp PyTorch runs on (its own copy, else the system's), or None. Other packages may
+    bring copies of their own (sentencepiece's wheel does): pausing one of those would free
+    nothing of PyTorch's, so PyTorch's copy comes first, whatever order they were loaded in."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as f:
             maps = f.read()
     except OSError:  # not Linux
         return None
+    paths = []
     for line in maps.splitlines():
         fields = line.split()
         path = fields[-1] if len(fields) >= 6 else ""
-        if os.path.basename(path).startswith("libgomp") and ".so" in path:
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                return None
-            return lib if hasattr(lib, "omp_pause_resource_all") else None
+        if os.path.basename(path).startswith("libgomp") and ".so" in path and path not in paths:
+            paths.append(path)
+    import torch
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in torch_first(paths, torch_lib):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            return None
+        return lib if hasattr(lib, "omp_pause_resource_all") else None
     return None
+
+
+def torch_first(paths: list[str], torch_lib: str) -> list[str]:
+    """libgomp copies in the order to try them: PyTorch's own (under its lib folder) first."""
+    return sorted(paths, key=lambda p: not p.startswith(torch_lib))
 
 
 def release_pool() -> bool:

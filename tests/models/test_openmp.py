@@ -38,3 +38,14 @@ def test_a_threads_workers_exit_when_released_and_come_back_on_use(threads):
     assert seen["released"] is True
     assert seen["after"] < seen["before"]
     assert seen["again"] is True
+
+
+def test_pytorchs_libgomp_is_the_one_paused_when_another_package_brings_its_own():
+    """sentencepiece's wheel brings a libgomp of its own, loaded before PyTorch's when imported
+    first; pausing that copy freed none of PyTorch's workers."""
+    from specdec.openmp import torch_first
+
+    paths = ["/venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0", "/venv/torch/lib/libgomp.so.1",
+             "/usr/lib/libgomp.so.1"]
+    assert torch_first(paths, "/venv/torch/lib")[0] == "/venv/torch/lib/libgomp.so.1"
+    assert torch_first(paths[::2], "/venv/torch/lib") == paths[::2]

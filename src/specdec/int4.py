@@ -392,6 +392,18 @@ def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
 
 
 _READERS = {"Q4_1": read_q4_1, "Q8_0": read_q8_0}
+# GGUF formats of 4 bits a weight that no reader here takes as they are (Q4_0, Q4_K): their
+# products are quantized again to Q4_1 from the weights transformers de-quantized (Q4_0 fits Q4_1's
+# form exactly, Q4_K up to the rounding of its scales); every other format (Q5_*, Q6_K, F16, BF16,
+# ...) to Q8_0, never to fewer bits than the file holds. Every product stays on the 4-/8-bit kernels.
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def requantized(kinds: Sequence[str], weight: torch.Tensor) -> tuple[str, list[Codes]]:
+    """A product whose parts the file holds as `kinds`, quantized here from its float weight."""
+    if all(k in FOUR_BIT for k in kinds):
+        return "Q4_1", quantize_q4_1(weight)
+    return "Q8_0", quantize_q8_0(weight)
 
 
 def unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
@@ -405,6 +417,9 @@ def unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------- a model's 4-bit weights
 LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                "down": ("ffn_down",)}
+# a product's parts as GGUF files name them, whichever way a family's file fuses them (Phi-3: attn_qkv, ffn_up)
+GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v", "attn_qkv"), "o": ("attn_output",),
+              "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 _HF_PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
@@ -541,37 +556,62 @@ def from_gguf(path: Path, model: Any) -> Int4Source:
                 got.append(planes)
             if all(g is not None for g in got) and len({len(g) for g in got if g is not None}) == 1:
                 quantized[fused] = Int4Weight(cat_codes([g for g in got if g is not None]))
+                continue
+            weight = torch.cat([layer.get_submodule(_HF_PARTS[p]).weight for p in parts])
+            if weight.shape[1] % GROUP == 0:  # parts in a format not read here, or in two: quantized again, all alike
+                held = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+                kinds = [t.kind if t is not None else "unknown" for t in held]
+                kind, planes = requantized(kinds, weight)
+                label = f"{kind} (from {'/'.join(sorted(set(kinds)))})"
+                formats[label] = formats.get(label, 0) + 1
+                quantized[fused] = Int4Weight(planes)
         layers.append(quantized)
     head_weight = model.lm_head.weight
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head_codes = codes(head_name, tuple(head_weight.shape))
     if head_codes is not None:
         _check_against(head_codes, head_weight, head_name)
+    elif head_weight.shape[1] % GROUP == 0:
+        head_codes = quantize_q8_0(head_weight)  # (Q8_0 whatever the file holds: the head decides every token)
     head = Int4Weight(head_codes) if head_codes is not None else None
     embed = block_embedding(tensors.get("token_embd.weight"), model.model.embed_tokens.weight)
     return Int4Source(layers, head, "gguf", formats, embed)
 
 
-def from_float(model: Any) -> Int4Source:
+def from_float(model: Any, gguf: Path | None = None) -> Int4Source:
     """4-bit products quantized here from a float model of any family on the lean path (its family
-    file's parts, `specdec.families`): Q4_1's rule for the layers, Q8_0's for the head."""
+    file's parts, `specdec.families`): Q4_1's rule for the layers, Q8_0's for the head. gguf: the
+    file a model of another family than Llama was converted from: each product then as
+    `requantized` says for the formats the file holds its parts in (never fewer bits)."""
     from specdec.families import PRODUCTS, family_of, fused
 
     family = family_of(model.config)
     assert family is not None
+    held: dict[str, str] = {}
+    if gguf is not None:
+        from specdec.gguf import read_tensors
+
+        held = {name: t.kind for name, t in read_tensors(gguf).items()}
     layers = []
+    formats: dict[str, int] = {}
     with torch.no_grad():
-        for layer in model.model.layers:
+        for i, layer in enumerate(model.model.layers):
             quantized = {}
             parts = family.parts(layer)
             for name in PRODUCTS:
                 weight = fused(parts[name])
                 if weight.shape[1] % GROUP == 0:
-                    quantized[name] = Int4Weight(quantize_q4_1(weight))
+                    kinds = ([held[f"blk.{i}.{p}.weight"] for p in GGUF_PARTS[name] if f"blk.{i}.{p}.weight" in held]
+                             or ["unknown"]) if gguf else ["Q4_1"]  # (unknown: Q8_0, never fewer bits)
+                    kind, planes = requantized(kinds, weight)
+                    label = f"{kind} (from {'/'.join(sorted(set(kinds)))})" if gguf else f"{kind} (quantized here)"
+                    formats[label] = formats.get(label, 0) + 1
+                    quantized[name] = Int4Weight(planes)
             layers.append(quantized)
         head_weight = model.lm_head.weight
         head = Int4Weight(quantize_q8_0(head_weight)) if head_weight.shape[1] % GROUP == 0 else None
-    return Int4Source(layers, head, "quantized", {"Q4_1 (quantized here)": len(layers), "Q8_0 head": 1})
+    formats["Q8_0 head"] = 1
+    return Int4Source(layers, head, "quantized", formats)
 
 
 def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.device | None = None,
@@ -597,6 +637,8 @@ def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.devi
         source = from_gguf(smollm2_gguf(), model)
     elif name.lower().endswith(".gguf") and model.config.model_type == "llama":
         source = from_gguf(Path(name).expanduser(), model)
+    elif name.lower().endswith(".gguf"):
+        source = from_float(model, Path(name).expanduser())
     else:
         source = from_float(model)
     model.__dict__[ATTR] = source  # a plain attribute (not a module or parameter of the model)

@@ -59,16 +59,15 @@ def resolve_dtype(name: str) -> torch.dtype | None:
 def default_target_int4(name: str, model: Any, device: torch.device, backend: str) -> bool:
     """Whether a target loaded with no dtype asked for runs its 4-bit weights (int4) rather
     than float32: yes where the target is a GGUF file (smollm2's, or a .gguf path) on the CPU's
-    lean path with PyTorch's int4 kernel. The 4-bit kernel multiplies the very weights the
-    file holds (float32 only de-quantizes them), several times faster per step (CHANGELOG.md,
-    2026-12-01); greedy speculative output stays equal to plain int4 decoding. Other
-    models keep float32 weights."""
+    lean path with PyTorch's int4 kernel, of any family there. The 4-bit kernel multiplies the
+    weights the file holds (Q4_1, Q8_0 blocks as they are; other formats quantized again, never to
+    fewer bits: `specdec.int4.requantized`), several times faster per step than float32; greedy
+    speculative output stays equal to plain int4 decoding. Other models keep float32 weights.
     from specdec.defaults import is_alias
     from specdec.llama import supports
 
     return (device.type == "cpu" and backend != "hf" and (is_alias(name) or name.lower().endswith(".gguf"))
-            and supports(model) and model.config.model_type == "llama"  # (other families' blocks: not read yet)
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+            and supports(model) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:

@@ -99,3 +99,25 @@ def test_lean_path_equals_transformers_on_a_smollm2_shaped_model_and_grows_its_b
     fast.truncate(250)
     hf.truncate(250)
     assert torch.allclose(fast.forward([7], 1), hf.forward([7], 1), atol=1e-4, rtol=1e-4)
+
+
+def test_formats_not_read_as_they_are_are_quantized_again_and_never_to_fewer_bits(tmp_path, cache):
+    """A GGUF target whose tensors no reader takes as they are (here float32; Q4_0, Q4_K, Q6_K, F16 in
+    llama.cpp's files) runs every product on the 4-/8-bit kernels (a float product beside them sent
+    each step through the Python loop, 4x slower): 4-bit formats as Q4_1, every other as Q8_0; the
+    C++ loop runs it, and greedy speculative output is plain decoding's."""
+    from specdec import layerloop, load
+    from specdec.int4 import ATTR, Int4Weight, requantized
+
+    assert requantized(["Q4_0", "Q4_K"], torch.randn(4, 32))[0] == "Q4_1"
+    assert requantized(["Q4_K", "Q6_K"], torch.randn(4, 32))[0] == "Q8_0"
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    plain = load(str(path), draft="none")
+    rows = plain.target.rows
+    assert rows.int4 and all(isinstance(w[p], Int4Weight) for w in rows.layers for p in ("qkv", "o", "gate_up", "down"))
+    assert layerloop.stack_for(rows) is not None
+    assert getattr(rows.model, ATTR).formats.get("Q8_0 (from F32)") == 4 * 2  # 4 products, 2 layers
+    spec = load(str(path), draft="ngram", draft_tokens=4)
+    for prompt in ["ab", "abc abc abc", "hello"]:
+        assert spec.generate(prompt, max_new_tokens=16, temperature=0).token_ids == \
+            plain.generate(prompt, max_new_tokens=16, temperature=0).token_ids

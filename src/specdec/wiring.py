@@ -62,7 +62,7 @@ def default_target_int4(name: str, model: Any, device: torch.device, backend: st
     lean path with PyTorch's int4 kernel, of any family there. The 4-bit kernel multiplies the
     weights the file holds (Q4_1, Q8_0 blocks as they are; other formats quantized again, never to
     fewer bits: `specdec.int4.requantized`), several times faster per step than float32; greedy
-    speculative output stays equal to plain int4 decoding. Other models keep float32 weights.
+    speculative output stays equal to plain int4 decoding. Other models keep float32 weights."""
     from specdec.defaults import is_alias
     from specdec.llama import supports
 

@@ -26,7 +26,8 @@ from specdec.defaults import (
     default_target,
 )
 from specdec.heap import trim_heap
-from specdec.int4 import INT4, attach_int4
+from specdec.int4 import INT4
+from specdec.int4source import attach_int4
 from specdec.llama import supports
 from specdec.policy import make_policy
 from specdec.wiring import (

@@ -45,12 +45,12 @@ from specdec.llama import BatchLlama
 from specdec.lm import attention_backends, common_prefix, tree_depths
 from specdec.policy import RoundOutcome, observe_recent
 from specdec.prefix import PrefixCache
-from specdec.prophets.base import TREE, BatchDraft, Prophet, in_row_order, padded_q, probs_by_params
+from specdec.prophets.base import TREE, BatchDraft, Prophet, chain_draft, in_row_order, is_chain, probs_by_params
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, batch_free, keep_fused, row_prefilled, row_slot
 from specdec.rows import BatchLM, prefill_rows
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
-from specdec.verify import DraftTree, Verdict, verify_chain, verify_greedy_tree, verify_tree
+from specdec.verify import Verdict, verify_chain, verify_greedy_tree, verify_tree
 
 
 def _verdict(logits: torch.Tensor, rows: Sequence[Request], draft_tokens: torch.Tensor, lens: Sequence[int],
@@ -92,23 +92,6 @@ def from_entries(x: torch.Tensor, first: Sequence[int], counts: Sequence[int]) -
     for b, (a, n) in enumerate(zip(first, counts, strict=True)):
         out[b, :n] = x[b, a: a + n]
     return out
-
-
-def is_chain(tree: DraftTree) -> bool:
-    """Whether a tree is one chain: one proposal a node, each node the last one's child (or empty)."""
-    return tree.parents == list(range(-1, len(tree.tokens) - 1)) and len(tree.proposals) == len(tree.tokens)
-
-
-def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tensor | None, list[bool]]:
-    """One prophet's grown trees that are chains (`is_chain`) as the chain draft they are: each
-    row's tokens, q (B, K, V) for the rows that sampled them (else None) and which rows' q is
-    one-hot. The same verdicts either way: a chain verified by rejection sampling is a
-    one-proposal tree's recursive test."""
-    qs = [[q for _, _, q, _ in tree.proposals] for tree in trees]
-    one_hot = [all(q is None for q in row) for row in qs]  # a grown row's proposals are all one kind
-    rows = {b: torch.stack(row) for b, row in enumerate(qs) if not one_hot[b]}  # type: ignore[arg-type]
-    probs = padded_q(rows, len(trees), max(len(t.tokens) for t in trees)) if rows else None
-    return [list(t.tokens) for t in trees], probs, one_hot
 
 
 class BatchEngine:

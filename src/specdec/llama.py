@@ -104,7 +104,7 @@ class LlamaWeights:
     """What the Llama path (`BatchLlama`, and `FastLlamaLM` over it) reads from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm.
 
-    A model loaded with dtype int4 carries 4-bit products (`specdec.int4.attach_int4`):
+    A model loaded with dtype int4 carries 4-bit products (`specdec.int4source.attach_int4`):
     those products (and the head) are then `Int4Weight`s, multiplied by PyTorch's CPU int4
     kernel, with everything else in float32; `int4=False` reads the float weights only.
     `int8=True`: the float weights' products (and the head) quantized to int8 per output row,

@@ -218,7 +218,7 @@ def test_branches_on_a_real_eagle_stay_greedy_equal_and_bad_values_are_refused(t
 def test_grown_trees_that_stayed_chains_are_the_chain_draft_they_are():
     """chain_draft: chain-shaped grown trees as a chain draft (q kept for sampled rows, one-hot
     for deterministic ones); is_chain tells a chain from a branching tree."""
-    from specdec.batch import chain_draft, is_chain
+    from specdec.prophets.base import chain_draft, is_chain
     from specdec.verify import DraftTree
 
     q = torch.tensor([0.5, 0.3, 0.2])

@@ -115,3 +115,20 @@ def in_row_order(rows: Sequence[int], parts: Sequence[torch.Tensor]) -> torch.Te
     """Results computed by groups of rows (`parts`, concatenated in the order of `rows`, the row
     index of each of their entries) back in row order 0..B-1."""
     return torch.cat(list(parts))[torch.argsort(torch.tensor(list(rows), device=parts[0].device))]
+
+
+def is_chain(tree: DraftTree) -> bool:
+    """Whether a tree is one chain: one proposal a node, each node the last one's child (or empty)."""
+    return tree.parents == list(range(-1, len(tree.tokens) - 1)) and len(tree.proposals) == len(tree.tokens)
+
+
+def chain_draft(trees: Sequence[DraftTree]) -> tuple[list[list[int]], torch.Tensor | None, list[bool]]:
+    """One prophet's grown trees that are chains (`is_chain`) as the chain draft they are: each
+    row's tokens, q (B, K, V) for the rows that sampled them (else None) and which rows' q is
+    one-hot. The same verdicts either way: a chain verified by rejection sampling is a
+    one-proposal tree's recursive test."""
+    qs = [[q for _, _, q, _ in tree.proposals] for tree in trees]
+    one_hot = [all(q is None for q in row) for row in qs]  # a grown row's proposals are all one kind
+    rows = {b: torch.stack(row) for b, row in enumerate(qs) if not one_hot[b]}  # type: ignore[arg-type]
+    probs = padded_q(rows, len(trees), max(len(t.tokens) for t in trees)) if rows else None
+    return [list(t.tokens) for t in trees], probs, one_hot

@@ -10,8 +10,9 @@ A family file says, for the models of its `model_types`, three things and nothin
   (q|k|v, gate|up) as the family's modules hold them.
 
 The decode path (`specdec.llama`: the ragged batched pass, the one-sequence view, the C++
-layer loop where `Arch.plain`) reads only these, so a new family is one file here plus its
-line in `FAMILIES`; the 4-bit products (`specdec.int4`) are quantized from the same parts.
+layer loop, which takes every family's extras but Gemma 2's soft-capping) reads only these,
+so a new family is one file here plus its line in `_families()`; the 4-bit products
+(`specdec.int4source`) are quantized from the same parts.
 """
 
 from __future__ import annotations
@@ -42,13 +43,6 @@ class Arch:
     final_softcap: float | None = None  # logits likewise (Gemma 2)
     windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (itself included), None: all
     rope_of_layer: tuple[str, ...] = ()  # per layer: the rotary table it reads (`rope_tables`' keys)
-
-    @property
-    def plain(self) -> bool:
-        """Llama's computation exactly (the C++ layer loop's): nothing here differs."""
-        return (self.norm_offset == 0.0 and self.act == "silu" and self.embed_scale is None
-                and self.query_scale is None and self.attn_softcap is None and self.final_softcap is None
-                and not any(w is not None for w in self.windows) and len(set(self.rope_of_layer)) <= 1)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -92,6 +86,12 @@ def common_refusal(cfg: Any) -> str | None:
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention"
     return None
+
+
+def swiglu_refusal(cfg: Any) -> str | None:
+    """Why a family of SwiGLU MLPs cannot run a config whose activation is another (None: it can)."""
+    act = getattr(cfg, "hidden_act", "silu")
+    return None if act == "silu" else f"activation {act}"
 
 
 def layer_windows(cfg: Any) -> tuple[int | None, ...]:

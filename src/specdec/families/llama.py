@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.families import Arch, layer_windows, split_parts
+from specdec.families import Arch, layer_windows, split_parts, swiglu_refusal
 
 
 class _Llama:
@@ -14,9 +14,7 @@ class _Llama:
     def refuses(self, cfg: Any) -> str | None:
         if getattr(cfg, "attention_bias", False):
             return "biases in attention"
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            return f"activation {cfg.hidden_act}"
-        return None
+        return swiglu_refusal(cfg)
 
     def arch(self, cfg: Any) -> Arch:
         return Arch(family=self.name, windows=layer_windows(cfg))

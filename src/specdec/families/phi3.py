@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.families import Arch, layer_windows
+from specdec.families import Arch, layer_windows, swiglu_refusal
 
 
 class _Phi3:
@@ -12,7 +12,7 @@ class _Phi3:
     model_types: tuple[str, ...] = ("phi3",)
 
     def refuses(self, cfg: Any) -> str | None:
-        return None if getattr(cfg, "hidden_act", "silu") == "silu" else f"activation {cfg.hidden_act}"
+        return swiglu_refusal(cfg)
 
     def arch(self, cfg: Any) -> Arch:
         return Arch(family=self.name, windows=layer_windows(cfg))

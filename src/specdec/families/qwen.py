@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.families import Arch, layer_windows, split_parts
+from specdec.families import Arch, layer_windows, split_parts, swiglu_refusal
 
 
 class _Qwen2:
@@ -12,7 +12,7 @@ class _Qwen2:
     model_types: tuple[str, ...] = ("qwen2",)
 
     def refuses(self, cfg: Any) -> str | None:
-        return None if getattr(cfg, "hidden_act", "silu") == "silu" else f"activation {cfg.hidden_act}"
+        return swiglu_refusal(cfg)
 
     def arch(self, cfg: Any) -> Arch:
         return Arch(family=self.name, windows=layer_windows(cfg))

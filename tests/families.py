@@ -10,7 +10,7 @@ import torch
 from specdec.defaults import bundled_target
 
 WINDOW = 8  # the sliding window of the sliding families: tests run 3-6x past it
-VOCAB = 8192  # the bundled tokenizer's (src/specdec/models/target), which the saved models ship with
+VOCAB = 8192  # the bundled tokenizer's (models/target), which the saved models ship with
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=256, initializer_range=0.3, bos_token_id=0, eos_token_id=0,
              pad_token_id=0)

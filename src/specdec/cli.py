@@ -359,7 +359,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specdec.defaults import shipped
+    from specdec.defaults import distill_target, shipped
     from specdec.train.pipeline import distill, load_config
     from specdec.wiring import check_model_dir
 
@@ -371,7 +371,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             models_dir=Path(args.models_dir) if args.models_dir else None, only=args.only,
             max_steps=args.max_steps, data_minutes=args.data_minutes, train_minutes=args.distill_minutes)
         return 0
-    work, target = Path(args.work_dir or ".cache/bundled"), shipped(args.target)
+    work, target = Path(args.work_dir or ".cache/bundled"), distill_target(args.target)
     if Path(target).is_file() or check_model_dir(target, "target") is None:
         raise SpecdecError(f"--target '{target}': this config distills from a local model directory (`specdec train` "
                            "writes one), not a file or a Hugging Face id")

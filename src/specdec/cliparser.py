@@ -15,6 +15,8 @@ from specdec.defaults import (
     SERVE_PREFIX_CACHE_MB,
     TEMPERATURE,
     TOP_P,
+    TRAINED_PROPHET,
+    TRAINED_TARGET,
 )
 
 
@@ -155,7 +157,7 @@ def build_parser(handlers: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     t.add_argument("--config", default="configs/bundled.toml",
                    help="a config file (configs/NAME.toml: a shipped one, unless that path exists here)")
     t.add_argument("--work-dir", default=".cache/bundled")
-    t.add_argument("--out", default="models/target", help="where the target is written (under this directory)")
+    t.add_argument("--out", default=TRAINED_TARGET, help="where the target is written (under this directory)")
     t.add_argument("--corpus-root", default=None, help="corpus directory (default: this Python's stdlib)")
     t.add_argument("--minutes", type=float, default=None, help="override the config's training time")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
@@ -167,9 +169,10 @@ def build_parser(handlers: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
     d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")
-    d.add_argument("--target", default="models/target",
-                   help="the target to distill from (models/target: `specdec train`'s, else the shipped one)")
-    d.add_argument("--out", default="models/prophet", help="where the prophet is written (under this directory)")
+    d.add_argument("--target", default=None,
+                   help=f"the target to distill from (default: {TRAINED_TARGET}, `specdec train`'s, where it exists, "
+                   "else the shipped one)")
+    d.add_argument("--out", default=TRAINED_PROPHET, help="where the prophet is written (under this directory)")
     d.add_argument("--data-out", default=None, help="also save the data-only prophet here")
     d.add_argument("--data-minutes", type=float, default=None)
     d.add_argument("--distill-minutes", type=float, default=None)

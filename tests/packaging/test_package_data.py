@@ -6,14 +6,23 @@ from pathlib import Path
 
 import specdec
 from specdec.cli import build_parser
-from specdec.defaults import bundled_prophet, bundled_target, configs_dir, display_name, models_dir, shipped
+from specdec.defaults import (
+    bundled_prophet,
+    bundled_target,
+    configs_dir,
+    display_name,
+    distill_target,
+    models_dir,
+    shipped,
+)
 
 PACKAGE = Path(specdec.__file__).resolve().parent
 
 
 def test_the_shipped_models_and_configs_are_package_data(monkeypatch):
     monkeypatch.delenv("SPECDEC_MODELS", raising=False)
-    assert models_dir() == PACKAGE / "models" and configs_dir() == PACKAGE / "configs"
+    assert configs_dir() == PACKAGE / "configs"
+    assert models_dir() == (PACKAGE / "models" if (PACKAGE / "models").is_dir() else PACKAGE.parents[1] / "models")
     assert (Path(bundled_target()) / "model.safetensors").is_file()
     assert (Path(bundled_prophet()) / "model.safetensors").is_file()
     assert (models_dir() / "smollm2-eagle" / "prophet.json").is_file()
@@ -46,4 +55,18 @@ def test_training_writes_under_the_working_directory_never_into_the_package(tmp_
     for out in (train.out, train.work_dir, distill.out):
         assert Path(out).resolve().is_relative_to(tmp_path), out
     assert Path(shipped(train.config)) == configs_dir() / "bundled.toml" == Path(shipped(distill.config))
-    assert Path(shipped(distill.target)) == Path(bundled_target())  # no `specdec train` output here yet
+    assert Path(distill_target(distill.target)) == Path(bundled_target())  # no `specdec train` output here yet
+    Path(train.out).mkdir(parents=True)
+    assert distill_target(distill.target) == train.out  # `specdec train`'s, once it wrote one
+
+
+def test_every_package_under_src_is_listed_in_pyproject():
+    """pyproject.toml names its packages (it maps specdec.models from the top-level models/ folder, which
+    `packages.find` cannot), so a new package folder under src/ must be added there to reach the wheel."""
+    import tomllib
+
+    setup = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("*")
+             if p.is_file() and p.suffix != ".pyc" and "__pycache__" not in p.parts}
+    assert found <= set(setup["packages"]), found - set(setup["packages"])
+    assert setup["package-dir"]["specdec.models"] == "models"

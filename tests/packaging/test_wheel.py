@@ -21,12 +21,14 @@ from specdec.defaults import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "specdec"
-DATA = ("models", "configs", "kernels", "server/static")  # the package's folders of data files
+DATA = ("configs", "kernels", "server/static")  # the package's folders of data files
+# the shipped models: the top-level models/ folder, installed as specdec/models
+FOLDERS = {**{f"specdec/{folder}": PACKAGE / folder for folder in DATA}, "specdec/models": ROOT / "models"}
 
 
 def package_data() -> set[str]:
-    """Every file in the package's data folders, named as in a wheel (specdec/models/...)."""
-    return {f"specdec/{p.relative_to(PACKAGE).as_posix()}" for folder in DATA for p in (PACKAGE / folder).rglob("*")
+    """Every file in the package's data folders and the models, named as in a wheel (specdec/models/...)."""
+    return {f"{name}/{p.relative_to(folder).as_posix()}" for name, folder in FOLDERS.items() for p in folder.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts}
 
 
@@ -44,12 +46,13 @@ def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess
 
 
 def source_tree(into: Path) -> Path:
-    """What a build reads (pyproject.toml, README.md, src/), copied: a build writes build/ and
+    """What a build reads (pyproject.toml, README.md, src/, models/), copied: a build writes build/ and
     egg-info beside its sources, and so never into the checkout."""
     into.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, into / name)
-    shutil.copytree(ROOT / "src", into / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("src", "models"):
+        shutil.copytree(ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     return into
 
 

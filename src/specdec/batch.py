@@ -31,25 +31,21 @@ from typing import Any
 import torch
 
 from specdec.branching import record_fit
-from specdec.costmodel import (
-    Costs,
-)
+from specdec.commit import Committer, Spans
+from specdec.costmodel import Costs
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
-from specdec.events import RoundEvent, finish_reason
 from specdec.finish import Finish
 from specdec.grammar import inside_rows, mask_logits
-from specdec.heap import trim_heap
 from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama
 from specdec.lm import attention_backends, common_prefix, tree_depths
-from specdec.policy import RoundOutcome, observe_recent
-from specdec.prefix import PrefixCache
 from specdec.prophets.base import TREE, BatchDraft, Prophet, chain_draft, in_row_order, is_chain, probs_by_params
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
-from specdec.request import TARGET, Request, StepEvent, batch_free, keep_fused, row_prefilled, row_slot
+from specdec.request import TARGET, Request, StepEvent, batch_free, row_prefilled, row_slot
 from specdec.rows import BatchLM, prefill_rows
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
+from specdec.slots import Slots
 from specdec.verify import Verdict, verify_chain, verify_greedy_tree, verify_tree
 
 
@@ -104,26 +100,24 @@ class BatchEngine:
         # the prophets one by one (several under first, best or tree), and the draft models'
         # own slots among them (an early exit drafts in the target's)
         self.parts: list[Prophet] = list(prophet.parts) if prophet is not None else []
-        self._model_names = {p.name for p in self.parts if p.model_steps}
+        self.model_names = {p.name for p in self.parts if p.model_steps}  # prophets whose draft steps are passes
         self.draft_lms: list[BatchLM] = [p.draft_lm for p in self.parts if p.draft_lm is not None
                                          and p.draft_lm is not target]
         # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
         self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts if p.fused_layers), ())
-        self.prefill_chunk = PREFILL_CHUNK  # prompt tokens prefilled per step, at most (one row at least)
-        self.eos_token_ids = set(eos_token_ids)
-        self.free_slots = list(range(target.slots))[::-1]  # slots no request holds
+        # One step (or release) at a time: requests of several threads may step on one engine
+        # (a decoder's interleaved streams, generate beside a server); each sees its own rows.
+        self.lock = threading.RLock()
+        # which request holds which cache row, the prefill chunk, the prefix cache (`specdec.slots`)
+        self.slots = Slots(target, self.draft_lms, prophet, PREFILL_CHUNK, self.fused_layers, self.lock)
         self.kchoice = KChoice(self)  # how many tokens each row drafts (`specdec.kchoice`)
+        self.commits = Committer(target.max_length, eos_token_ids, self.kchoice, prophet is not None, self.slots)
         # Seconds one measurement (greedy or sampled, one batch size) may take before it stops
         # repeating (`costmodel.interleaved_times`); None: all its repeats
         self.measure_budget_s: float | None = None
         self.prefix_mb = 0.0  # the MiB of prompt prefixes the decoder asked it to keep (`wiring.engine_for`)
         # perf_counter spans of the last step's drafting and target forward (for timelines)
-        self.last_spans: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
-        # One step (or release) at a time: requests of several threads may step on one engine
-        # (a decoder's interleaved streams, generate beside a server); each sees its own rows.
-        self.lock = threading.RLock()
-        # Prompt prefixes' keys and values kept for later requests (`enable_prefix_cache`), or None
-        self.prefix_cache: PrefixCache | None = None
+        self.last_spans: Spans = ((0.0, 0.0), (0.0, 0.0))
 
     # ----------------------------------------------------------------- one step
     def step(self, requests: Sequence[Request]) -> list[StepEvent]:
@@ -134,24 +128,25 @@ class BatchEngine:
 
     def _step(self, requests: Sequence[Request]) -> list[StepEvent]:
         active = [r for r in requests if not r.done]
-        refused = [self._refuse(r, why) for r in active if r.slot is None and (why := self._invalid(r))]
+        slots = self.slots
+        refused = [slots.refuse(r, why) for r in active if r.slot is None and (why := slots.invalid(r))]
         active = [r for r in active if not r.done]
         if not active:
             return refused
         # 1. Join: new rows take a free cache slot; prompts are prefilled a chunk per step
         #    (`prefill_chunk` tokens at most), so a long prompt never stalls the running rows
         #    for more than one chunk's time; a row drafts and decodes once its prompt is in.
-        self.admit(active)
-        if self.prefix_cache is not None:
-            self.prefix_cache.store_rows(self.target, active)
-            self.prefix_cache.take_rows(self.target, active)
-        alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= self.prefill_chunk
+        slots.admit(active)
+        if slots.prefix_cache is not None:
+            slots.prefix_cache.store_rows(self.target, active)
+            slots.prefix_cache.take_rows(self.target, active)
+        alone = len(active) == 1 and len(active[0].prompt) - active[0].target_cached <= slots.prefill_chunk
         if not alone:  # a row alone takes the rest of its prompt into this step's own pass (no extra pass)
-            prefill_rows(self.target, active, TARGET, self.prefill_chunk, self.fused_layers)
+            prefill_rows(self.target, active, TARGET, slots.prefill_chunk, self.fused_layers)
             active = [r for r in active if row_prefilled(r, TARGET)]
         # 1b. Tokens a row's grammar forces (one token allowed, `specdec.grammar`) are committed
         #     now, with no draft and no pass; the prophets draft from after them.
-        refused += self._force(active)
+        refused += self.commits.force(active)
         active = [r for r in active if not r.done]
         if not active:
             return refused
@@ -168,13 +163,13 @@ class BatchEngine:
             return refused + self._tree_step(active, draft, d0, d1)
         # 3. One target forward: each row's pending tokens then its draft; p_1..p_{k_b+1} per row.
         starts = [r.target_cached for r in active]  # each row's first position in the pass
-        logits, hidden = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None
+        logits, hidden, fused = self._score(active, draft.tokens)  # (B, K+1, V), (B, K+1, D) or None, fused
         # 4. Ragged verification.
         verdicts = self.verify_chains(logits, active, draft.tokens, draft.probs, draft.one_hot)
         share = self._timed(len(active), d0, d1)
         # 5. Commit per row; finished rows leave and free their slot.
         names = draft.names or [self.prophet.name if self.prophet else None] * len(active)
-        return refused + [self._commit_chain(r, b, t, v, names[b], share, hidden, starts[b])
+        return refused + [self.commits.chain(r, b, t, v, names[b], share, self.last_spans, hidden, fused, starts[b])
                           for b, (r, t, v) in enumerate(zip(active, draft.tokens, verdicts, strict=True))]
 
     def verify_chains(self, logits: torch.Tensor, rows: Sequence[Request], drafts: Sequence[list[int]],
@@ -202,22 +197,14 @@ class BatchEngine:
         q = None if probs is None or k_max == 0 else probs[:, :k_max]
         return _verdict(logits[:, : k_max + 1], rows, tokens, lens, q, one_hot, who).rows()
 
-    def _commit_chain(self, r: Request, b: int, drafted: list[int], v: Verdict, name: str | None,
-                      share: tuple[float, float], hidden: torch.Tensor | None, start: int) -> StepEvent:
-        """Row b's chain committed after its verdict, with the step's spans, the feature its
-        next draft starts from and its fused features."""
-        e = self._commit(r, drafted, v.n_accepted, v.next_token, v.next_kind, name, share)
-        e.spans = self.last_spans
-        self._keep_feature(e, hidden, b, v.n_accepted)
-        self._keep_fused(r, b, start)
-        return e
-
     def _score(self, active: Sequence[Request], drafts: Sequence[Sequence[int]],
-               trees: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               trees: Sequence[Sequence[int]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The step's one target pass: each row's pending tokens then its draft (or its tree's
         nodes, `trees`: their parents), logits after the last pending token and each drafted
-        one, and the features the head read where a prophet reads them (else None). The
-        rows' target caches then hold all of it (the commit cuts them back)."""
+        one, the features the head read where a prophet reads them (else None) and the fused
+        layers' outputs an eagle3 prophet drafts from (else None). The rows' target caches
+        then hold all of it (the commit cuts them back)."""
         feeds = [r.context_from(r.target_cached) + list(t) for r, t in zip(active, drafts, strict=True)]
         # tokens a grammar forced this step are scored too (their logits dropped below): a scored token
         # attends alone, as a one-token step attends (`llama.exact_attention`), so greedy rows keep
@@ -236,7 +223,6 @@ class BatchEngine:
             logits, hidden = self.target.forward_features(*args, trees=trees)
         else:
             logits = self.target.forward(*args, trees=trees)
-        self._fused = fused  # read by _keep_fused once the rows are committed
         if any(lead):  # each row's entries from its last pending token on
             logits = from_entries(logits, lead, [len(t) + 1 for t in drafts])
             hidden = None if hidden is None else from_entries(hidden, lead, [len(t) + 1 for t in drafts])
@@ -244,18 +230,7 @@ class BatchEngine:
             logits = mask_logits(logits, active, drafts, trees)
         for r, f in zip(active, feeds, strict=True):
             r.target_cached += len(f)
-        return logits, hidden
-
-    def _keep_fused(self, req: Request, b: int, start: int, order: Sequence[int] | None = None) -> None:
-        """After a commit: the fused features of the pass's new positions that now hold
-        committed tokens (start .. req.target_cached - 1; order: which of the pass's new
-        tokens lie there, for a tree's accepted path) join the row's pending ones."""
-        fused = self._fused
-        count = req.target_cached - start
-        if fused is None or req.done or count <= 0:
-            return
-        rows = fused[b, :count] if order is None else fused[b, torch.tensor(list(order)[:count], device=fused.device)]
-        keep_fused(req, start, rows)
+        return logits, hidden, fused
 
     def _timed(self, rows: int, d0: float, d1: float) -> tuple[float, float]:
         """Record the step's drafting and target spans (d1 to now); each row's share of both,
@@ -263,16 +238,6 @@ class BatchEngine:
         t1 = time.perf_counter()
         self.last_spans = ((d0, d1), (d1, t1))
         return (d1 - d0) / rows, (t1 - d1) / rows
-
-    @staticmethod
-    def _keep_feature(e: StepEvent, hidden: torch.Tensor | None, b: int, at: int) -> None:
-        """The next token came from the head at row b's position `at` of the pass (the last
-        accepted token or node): its feature is where a feature prophet starts next step
-        (none if the commit was cut short or the row ended)."""
-        r = e.request
-        r.feature = hidden[b, at] if hidden is not None and len(e.committed) == e.forced + e.accepted + 1 \
-            and not r.done \
-            else None
 
     def _tree_step(self, active: Sequence[Request], draft: BatchDraft, d0: float, d1: float) -> list[StepEvent]:
         """Steps 3-5 with a token tree per row: one target pass scores each row's pending
@@ -286,7 +251,7 @@ class BatchEngine:
         chained = [b for b, tree in enumerate(trees) if draft.names is not None and is_chain(tree)]
         starts = [r.target_cached for r in active]  # each row's first position in the pass
         scored_as = [[] if b in chained else t.parents for b, t in enumerate(trees)]
-        logits, hidden = self._score(active, [t.tokens for t in trees], scored_as)
+        logits, hidden, fused = self._score(active, [t.tokens for t in trees], scored_as)
         as_chain: dict[int, Verdict] = {}
         if chained:  # those rows' chains, verified together as the chain step verifies
             drafts, probs, one_hot = chain_draft([trees[b] for b in chained])
@@ -298,8 +263,8 @@ class BatchEngine:
             n, at = len(tree.tokens), r.length  # at: the root's position
             if b in as_chain:
                 record_fit(r.tree_fit, tree.expected, as_chain[b].n_accepted)
-                events.append(self._commit_chain(r, b, list(tree.tokens), as_chain[b],
-                                                 draft.names[b], share, hidden, starts[b]))  # type: ignore[index]
+                events.append(self.commits.chain(r, b, list(tree.tokens), as_chain[b], draft.names[b],  # type: ignore[index]
+                                                 share, self.last_spans, hidden, fused, starts[b]))
                 continue
             if r.params.greedy:  # p one-hot on the target's choices: follow them (no probabilities)
                 picks = checked_argmax(logits[b, : n + 1], f"target '{self.target.name}'")
@@ -322,14 +287,15 @@ class BatchEngine:
             who = (draft.names[b] if draft.names else None) or TREE
             each = {name: (len(c), common_prefix(c, path)) for name, c in draft.chains[b].items() if c} \
                 if who == TREE and r.policy is not None and r.policy.per_prophet else None
-            e = self._commit(r, path, len(path), verdict.next_token, verdict.next_kind, who if n else None, share,
-                             n_drafted=k, each=each)
+            e = self.commits.commit(r, path, len(path), verdict.next_token, verdict.next_kind, who if n else None,
+                                    share, n_drafted=k, each=each)
             e.spans, e.tree_size, e.accepted_by = self.last_spans, n, verdict.accepted_by
             e.proposals = {name: len(c) for name, c in draft.chains[b].items()}
             e.prophet = "+".join(e.proposals) if n else None
-            self._keep_feature(e, hidden, b, 1 + verdict.path[-1] if verdict.path else 0)  # the last accepted node
+            self.commits.keep_feature(e, hidden, b, 1 + verdict.path[-1] if verdict.path else 0)  # last accepted node
             pending = at - starts[b]  # the row's tokens before the tree in the pass
-            self._keep_fused(r, b, starts[b], [*range(pending), *(pending + node for node in verdict.path)])
+            order = [*range(pending), *(pending + node for node in verdict.path)]
+            self.commits.keep_fused(r, fused, b, starts[b], order)
             events.append(e)
         return events
 
@@ -374,30 +340,6 @@ class BatchEngine:
         return draft
 
 
-    def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
-                    text: str = "", finish_reason: str | None = None) -> RoundEvent:
-        """The RoundEvent of one row's part in the last step, times relative to t0 (its
-        request's start): the step's drafting and target spans are the row's. committed and
-        finish_reason: as the caller cut them (stop strings), else the step's."""
-        (d0, d1), (g0, g1) = e.spans
-        name = e.prophet
-        return RoundEvent(
-            index=index, prophet=name, k=max(e.proposals.values(), default=0) if e.proposals else len(e.drafted),
-            drafted=list(e.drafted), accepted=e.accepted,
-            next_token=e.next_token, next_kind=e.next_kind,
-            committed=list(e.committed if committed is None else committed),
-            draft_calls=self._draft_calls(e), target_calls=int(e.next_kind != "forced"), forced=e.forced,
-            start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
-            target_span=(g0 - t0, g1 - t0), tree_size=e.tree_size,
-            accepted_by=e.accepted_by if e.accepted_by is not None else [name] * e.accepted if name else [],
-            proposals=e.proposals if e.proposals is not None else {name: len(e.drafted)} if name else {}, text=text,
-            finish_reason=e.finish_reason if finish_reason is None else finish_reason)
-
-    def _draft_calls(self, e: StepEvent) -> int:
-        """Forward passes of draft models (or the early exit) a row's draft took: one per token."""
-        proposals = e.proposals if e.proposals is not None else {e.prophet: len(e.drafted)} if e.prophet else {}
-        return sum(n for name, n in proposals.items() if name in self._model_names)
-
     def finish_step(self, e: StepEvent, finish: Finish) -> list[int]:
         """A row's part in the last step, finished (specdec.finish): where a stop string now
         appears, its tokens are cut there and the row ends ("stop", its slot freed). Returns
@@ -408,157 +350,12 @@ class BatchEngine:
         if keep is not None:
             del r.generated[keep:]
             r.finish_reason = "stop"
-            self.release(r)
+            self.slots.release(r)
         return r.generated[before:]
 
-    def _invalid(self, req: Request) -> str | None:
-        """Why a joining request cannot run here, or None."""
-        if max(req.prompt) >= self.target.vocab_size or min(req.prompt) < 0:
-            return f"prompt token ids must be in [0, {self.target.vocab_size})"
-        if len(req.prompt) >= self.target.max_length:
-            return (f"the prompt is {len(req.prompt)} tokens but the target's context is "
-                    f"{self.target.max_length} tokens")
-        return None
-
-    @staticmethod
-    def _refuse(req: Request, why: str) -> StepEvent:
-        """A request that cannot join ends alone, with its reason; the step goes on without it."""
-        req.finish_reason, req.error = "error", why
-        return StepEvent(req, [], 0, -1, "error", [], "error")
-
-    def set_prefill_chunk(self, tokens: int) -> None:
-        """At most `tokens` prompt tokens prefilled per step (at least one row's chunk): the
-        longest a running row waits for a joining long prompt. The target's leading queries
-        attend in blocks of the same size, so chunked and whole prefills round alike."""
-        if tokens < 1:
-            raise ValueError("the prefill chunk must be >= 1 token")
-        self.prefill_chunk = tokens
-        if isinstance(self.target, BatchLlama):
-            self.target.attention_chunk = tokens
-            if self.prefix_cache is not None and self.prefix_cache.block != tokens:  # blocks of another size
-                self.prefix_cache = PrefixCache(tokens, self.prefix_cache.max_bytes)
-
     def release(self, req: Request) -> None:
-        """Free the cache slot (and its memory) of a request that leaves before it is done
-        (cancelled, or ended by a stop string outside the engine). Safe to call on any request."""
-        self._free_slot(req)
-        req.target_cached, req.draft_cached = 0, {}
-        req.fused, req.fused_from = [], 0
-
-    def _free_slot(self, req: Request) -> None:
-        if req.slot is None:
-            return
-        if self.prefix_cache is not None:
-            self.prefix_cache.store_rows(self.target, [req])
-        self.target.free(req.slot)
-        for lm in self.draft_lms:
-            lm.free(req.slot)
-        for part in self.parts:
-            part.free(req.slot)
-        self.free_slots.append(req.slot)
-        req.slot, req.fused = None, []
-        lms = [lm for lm in (self.target, *self.draft_lms) if isinstance(lm, BatchLlama)]
-        if any([lm.trim_due() for lm in lms]):  # every one asked (each starts its count again)
-            trim_heap()
-
-    def enable_prefix_cache(self, max_bytes: int, shared: PrefixCache | None = None) -> PrefixCache | None:
-        """Keep prompt prefixes' keys and values, at most `max_bytes` (0: none), and start later
-        requests that share one from there (`specdec.prefix`: the same tokens as reading the
-        whole prompt); `shared`: a cache to use (another engine's over the same target) where
-        its blocks fit this engine's attention blocks. Only for a target on the lean path, and
-        not with an eagle3 prophet (it reads every prompt position's features). Returns the
-        cache, or None."""
-        with self.lock:
-            if max_bytes <= 0 or not isinstance(self.target, BatchLlama) or self.fused_layers:
-                self.prefix_cache = None
-                return None
-            block = self.target.attention_chunk
-            if shared is not None and shared.block == block:
-                self.prefix_cache = shared
-            elif self.prefix_cache is None or self.prefix_cache.block != block:
-                self.prefix_cache = PrefixCache(block, max_bytes)
-            self.prefix_cache.resize(max_bytes)
-            return self.prefix_cache
-
-    def admit(self, active: Sequence[Request]) -> None:
-        new = [r for r in active if r.slot is None]
-        if not new:
-            return
-        if len(new) > len(self.free_slots):
-            raise ValueError(f"{len(active)} requests running but the engine has {self.target.slots} cache slots")
-        for r in new:
-            r.slot, r.target_cached, r.draft_cached = self.free_slots.pop(), 0, {}
-            r.fused, r.fused_from = [], 0
-            r.prefix_stored, r.prefix_hit = False, 0
-            if r.generator.device != self.target.device and not r.generated:  # random numbers live with the logits
-                r.generator = torch.Generator(device=self.target.device).manual_seed(r.seed_used)
-        if self.prophet is not None:  # a prophet's own model is small: its prompt goes in at once
-            self.prophet.prefill([r for r in new if r.k > 0])
-
-
-    def _commit(self, req: Request, drafted: list[int], n_accepted: int, next_token: int, kind: str,
-                prophet: str | None = None, share: tuple[float, float] = (0.0, 0.0),
-                n_drafted: int | None = None, each: dict[str, tuple[int, int]] | None = None) -> StepEvent:
-        """Append the row's tokens one by one, stopping at EOS, max_new_tokens or the context;
-        the row's policy observes the round (n_drafted: the K it drafted, default
-        len(drafted); a tree's accepted path is shorter) with the row's share of the step's
-        draft and target time; each: a tree's chains by prophet, (drafted, accepted) each,
-        observed as that prophet's rounds instead."""
-        before = req.length
-        for token in [*drafted[:n_accepted], next_token]:
-            req.generated.append(token)
-            req.finish_reason = finish_reason(token, len(req.generated), req.length, self.eos_token_ids,
-                                              req.max_new_tokens, self.target.max_length)
-            if req.finish_reason:
-                break
-        if req.constraint is not None:
-            req.constraint.commit(req.generated[before - len(req.prompt):])
-        n_drafted = len(drafted) if n_drafted is None else n_drafted
-        if drafted and prophet not in (None, TREE):  # the multi="best" choice's evidence
-            observe_recent(req.recent, prophet, n_accepted)
-        rounds = list(each.items()) if each else [(prophet, (n_drafted, n_accepted))]
-        for i, (name, (k, accepted)) in enumerate(rounds):
-            if k and name is not None:
-                self.kchoice.observe(name, k, accepted)
-            if req.policy is not None and self.prophet is not None:
-                req.policy.observe(RoundOutcome(k, accepted, share[0], share[1], 1 if k else 0,
-                                                name if k else None, same_round=i > 0))
-        # The caches hold the drafted tokens too: valid only up to the last accepted one.
-        req.target_cached = min(req.target_cached, before + n_accepted)
-        req.draft_cached = {name: min(n, before + n_accepted) for name, n in req.draft_cached.items()}
-        if req.done:
-            self._free_slot(req)
-        return StepEvent(req, drafted, n_accepted, next_token, kind,
-                         req.generated[before - req.forced - len(req.prompt):], req.finish_reason,
-                         prophet if drafted else None, forced=req.forced)
-
-    def _force(self, active: Sequence[Request]) -> list[StepEvent]:
-        """Commit the tokens each row's grammar forces (`Constraint.forced`: masked p is
-        one-hot there at any temperature, so they are the target's tokens with certainty),
-        within its length and the context; the rows they end (EOS, length) leave with their
-        event (next_kind "forced": no pass). The others draft from after them (a feature
-        prophet's feature is then `forced` tokens behind: an eagle catches up on them)."""
-        ended = []
-        for r in active:
-            r.forced = 0
-            if r.constraint is None:
-                continue
-            tokens = r.constraint.forced(min(r.max_new_tokens - len(r.generated), self.target.max_length - r.length))
-            for token in tokens:
-                r.generated.append(token)
-                r.forced += 1
-                r.finish_reason = finish_reason(token, len(r.generated), r.length, self.eos_token_ids,
-                                                r.max_new_tokens, self.target.max_length)
-                if r.finish_reason:
-                    break
-            if r.done:
-                self._free_slot(r)
-                e = StepEvent(r, [], 0, r.generated[-1], "forced", r.generated[-r.forced:], r.finish_reason,
-                              forced=r.forced)
-                now = time.perf_counter()
-                e.spans = ((now, now), (now, now))
-                ended.append(e)
-        return ended
+        """Free the cache slot of a request that leaves before it is done (`Slots.release`)."""
+        self.slots.release(req)
 
     # ----------------------------------------------------------------- many prompts
     def generate(self, prompts: Sequence[Sequence[int] | str | Request], max_new_tokens: int = MAX_NEW_TOKENS,
@@ -583,4 +380,4 @@ class BatchEngine:
         return list(prompt)
 
 
-__all__ = ["BatchEngine", "BatchLlama", "trim_heap"]
+__all__ = ["BatchEngine", "BatchLlama"]

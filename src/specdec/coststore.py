@@ -160,7 +160,7 @@ def measure(engine: Any, size: int, k_max: int, prompt: Sequence[int], repeats: 
     rows in free slots, which are free again afterwards."""
     with engine.lock, attention_backends(engine.target.device):
         rows = [Request(list(prompt), 1, SamplingParams(0.0), k_max) for _ in range(size)]
-        engine.admit(rows)
+        engine.slots.admit(rows)
         try:
             prefill_rows(engine.target, rows, TARGET, None, engine.fused_layers)
             return measure_rows(engine, rows, k_max, repeats)

@@ -286,10 +286,10 @@ class SpeculativeDecoder:
         from specdec.wiring import engine_for
 
         engine: BatchEngine = engine_for(self, ONE_LOOP_SLOTS)
-        engine.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
+        engine.commits.eos_token_ids = self.eos_token_ids  # the decoder's, as they are now
         # Each request steps alone here: its prompt goes in whole with its first round (in
         # the target's aligned attention blocks, as everywhere), nothing waits behind it.
-        engine.prefill_chunk = engine.target.max_length
+        engine.slots.prefill_chunk = engine.target.max_length
         if self._costs is not None:
             engine.kchoice.by_bucket.setdefault(1, self._costs)  # a row alone decides K from the decoder's stored costs
         return engine

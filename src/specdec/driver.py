@@ -25,15 +25,35 @@ class Loop(Protocol):
     """What the driver needs of the one round loop (`specdec.batch.BatchEngine`)."""
 
     target: Any  # its rows' model: `slots` of them
+    model_names: set[str]  # the prophets whose draft steps are forward passes of a model
 
     def step(self, requests: Sequence[Request]) -> list[StepEvent]: ...
 
     def finish_step(self, e: StepEvent, finish: Finish) -> list[int]: ...
 
-    def round_event(self, e: StepEvent, index: int, t0: float, committed: Sequence[int] | None = None,
-                    text: str = "", finish_reason: str | None = None) -> RoundEvent: ...
-
     def release(self, req: Request) -> None: ...
+
+
+def round_event(e: StepEvent, index: int, t0: float, model_names: set[str], committed: Sequence[int] | None = None,
+                text: str = "", finish_reason: str | None = None) -> RoundEvent:
+    """The RoundEvent of one row's part in a step, times relative to t0 (its request's start):
+    the step's drafting and target spans are the row's; draft calls count the passes of the
+    prophets in `model_names` (one per drafted token). committed and finish_reason: as the
+    caller cut them (stop strings), else the step's."""
+    (d0, d1), (g0, g1) = e.spans
+    name = e.prophet
+    proposals = e.proposals if e.proposals is not None else {name: len(e.drafted)} if name else {}
+    return RoundEvent(
+        index=index, prophet=name, k=max(e.proposals.values(), default=0) if e.proposals else len(e.drafted),
+        drafted=list(e.drafted), accepted=e.accepted,
+        next_token=e.next_token, next_kind=e.next_kind,
+        committed=list(e.committed if committed is None else committed),
+        draft_calls=sum(n for who, n in proposals.items() if who in model_names),
+        target_calls=int(e.next_kind != "forced"), forced=e.forced,
+        start=d0 - t0, end=time.perf_counter() - t0, draft_spans=[(d0 - t0, d1 - t0)] if e.drafted else [],
+        target_span=(g0 - t0, g1 - t0), tree_size=e.tree_size,
+        accepted_by=e.accepted_by if e.accepted_by is not None else [name] * e.accepted if name else [],
+        proposals=proposals, text=text, finish_reason=e.finish_reason if finish_reason is None else finish_reason)
 
 
 @dataclass(eq=False)
@@ -62,7 +82,7 @@ def step_rows(engine: Loop, rows: Sequence[Row]) -> list[tuple[Row, RoundEvent |
             continue
         added = engine.finish_step(e, row.finish)
         text = row.finish.release(req.generated, req.done) if row.release_text else ""
-        out.append((row, engine.round_event(e, row.rounds, row.t0, added, text, req.finish_reason)))
+        out.append((row, round_event(e, row.rounds, row.t0, engine.model_names, added, text, req.finish_reason)))
         row.rounds += 1
     return out
 

@@ -139,7 +139,7 @@ class KChoice:
         if self.engine.prophet is None or k_max < 1:
             return dict(self.by_bucket)
         for size in sorted({self.bucket(n) for n in range(1, self.engine.target.slots + 1)}):
-            if size not in self.by_bucket and len(self.engine.free_slots) >= size:
+            if size not in self.by_bucket and len(self.engine.slots.free) >= size:
                 now = functools.partial(measure, self.engine, size, k_max, [0] * prompt_len)
                 self.by_bucket[size] = self.cost_store(size, k_max, now) if self.cost_store else now()
         return dict(self.by_bucket)

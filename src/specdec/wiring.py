@@ -474,7 +474,7 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     engine = cache[slots]
     mb = getattr(decoder, "prefix_cache_mb", 0.0)
     if engine.prefix_mb != mb:  # the decoder's prompt prefix cache, one for its engines
-        decoder.__dict__["_prefix_cache"] = engine.enable_prefix_cache(int(mb * (1 << 20)),
+        decoder.__dict__["_prefix_cache"] = engine.slots.enable_prefix_cache(int(mb * (1 << 20)),
                                                                        decoder.__dict__.get("_prefix_cache"))
         engine.prefix_mb = mb
     if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.kchoice.row_costs is None:

@@ -379,7 +379,7 @@ def test_a_row_that_stops_early_does_not_disturb_the_others(tiny_pair, plain_tin
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=6, draft_dtype=torch.float32)
     first = engine.generate(mixed_requests(engine.target.vocab_size))
     eos = first[2].generated[2]  # row 2 will now end at its third token
-    engine.eos_token_ids = {eos}
+    engine.commits.eos_token_ids = {eos}
     requests = engine.generate(mixed_requests(engine.target.vocab_size))
     saved = plain_tiny.eos_token_ids
     try:
@@ -406,7 +406,7 @@ def test_a_request_the_engine_refuses_ends_alone(tiny_pair, plain_tiny):
     for r in good:
         want = plain_tiny.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=0)
         assert (r.generated, r.finish_reason, r.error) == (want.token_ids, want.finish_reason, None)
-    assert len(requests) == 5 and len(engine.free_slots) == engine.target.slots  # every slot back
+    assert len(requests) == 5 and len(engine.slots.free) == engine.target.slots  # every slot back
 
 
 # ----------------------------------------------------------------- the exact statistical test, per row
@@ -529,7 +529,7 @@ def test_rows_prefilled_a_chunk_per_step_match_the_exact_distribution(prophet):
     """Long prompts go in 2 tokens a step while short rows beside them sample (the chunked
     prefill of a server): each row still follows the target's exact distribution."""
     engine, target = toy_engine(prophet)
-    engine.set_prefill_chunk(2)
+    engine.slots.set_prefill_chunk(2)
     long_prompt = [3, 1, 4, 1, 0, 2, 3]
     settings = {"temperature": 1.0}
     requests = [Request(long_prompt if i % 2 else PROMPT, LENGTH, row_params(settings), 3, seed=i)

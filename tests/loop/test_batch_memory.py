@@ -54,13 +54,13 @@ def test_freed_caches_go_back_to_the_system_when_large_or_when_the_last_slot_lea
 def test_the_engine_trims_once_a_requests_whole_state_is_dropped(tiny_pair, monkeypatch):
     """The engine asks after freeing the target's slot, the prophets' state and the request's
     features, so that what they held goes back with the slot."""
-    import specdec.batch as batch
     import specdec.llama as llama
+    import specdec.slots as slots
 
     engine = batch_engine(tiny_pair["target"], tiny_pair["close"], slots=4, draft_dtype=torch.float32)
     seen: list[tuple[bool, bool]] = []
     monkeypatch.setattr(llama, "TRIM_BYTES", 1)
-    monkeypatch.setattr(batch, "trim_heap", lambda: seen.append((engine.target.kv_bytes() == 0,
+    monkeypatch.setattr(slots, "trim_heap", lambda: seen.append((engine.target.kv_bytes() == 0,
                                                                    engine.prophet.draft_lm.kv_bytes() == 0)))
     engine.generate([[1, 2, 3]], max_new_tokens=4, temperature=0)
     assert seen == [(True, True)]
@@ -81,7 +81,7 @@ def test_the_engine_frees_a_slot_s_memory_when_its_request_ends(tiny_pair):
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_running_rows_decode(tiny_pair, draft):
     engine = batch_engine(tiny_pair["target"], tiny_pair.get(draft, draft) if draft != "none" else None, slots=4,
                           draft_dtype=torch.float32)
-    engine.set_prefill_chunk(8)
+    engine.slots.set_prefill_chunk(8)
     plain = load(tiny_pair["target"], draft="none")
     running = [Request([1, 2, 3, 4, 5], 40, SamplingParams(0.0), 3), Request([7, 8, 9], 40, SamplingParams(0.0), 3)]
     for _ in range(3):

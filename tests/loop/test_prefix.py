@@ -111,7 +111,7 @@ def test_a_cached_prefix_gives_the_tokens_of_the_whole_prompt(tiny_pair, tiny_ea
     prompts = turns(plain.target.vocab_size)
     for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
         assert run_turns(cached, prompts, **settings) == run_turns(plain, prompts, **settings), settings
-    stats = cached._one_loop().prefix_cache.stats
+    stats = cached._one_loop().slots.prefix_cache.stats
     # greedy: the later turns start at 64 and 128; sampled, every turn finds what greedy left
     assert stats.hits == 5 and stats.hit_tokens == 64 + 128 + 64 + 128 + 192, stats
 
@@ -123,7 +123,7 @@ def test_a_cached_prefix_gives_the_same_tokens_in_half_precision(tiny_pair, dtyp
     prompts = turns(plain.target.vocab_size, 2)
     for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
         assert run_turns(cached, prompts, **settings) == run_turns(plain, prompts, **settings), settings
-    assert cached._one_loop().prefix_cache.stats.hit_tokens == 64 + 128 + 64 + 128 + 192
+    assert cached._one_loop().slots.prefix_cache.stats.hit_tokens == 64 + 128 + 64 + 128 + 192
 
 
 def test_batched_rows_and_chunked_prefill_take_cached_prefixes_exactly(tiny_pair):
@@ -139,18 +139,18 @@ def test_batched_rows_and_chunked_prefill_take_cached_prefixes_exactly(tiny_pair
     engine = engine_for(cached, 2)
     # every row but the first starts at 128: the second waited for its turn to prefill, the first
     # read the document meanwhile
-    assert engine.prefix_cache.stats.hit_tokens == 5 * 128
-    engine.set_prefill_chunk(32)  # chunked prefill in blocks of 32: a cache of 32-position blocks
-    assert engine.prefix_cache.block == 32 and len(engine.prefix_cache) == 0
+    assert engine.slots.prefix_cache.stats.hit_tokens == 5 * 128
+    engine.slots.set_prefill_chunk(32)  # chunked prefill in blocks of 32: a cache of 32-position blocks
+    assert engine.slots.prefix_cache.block == 32 and len(engine.slots.prefix_cache) == 0
     got = cached.generate_many(prompts, max_batch=2, max_new_tokens=10, temperature=0)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine.prefix_cache.stats.hit_tokens == 5 * 160
+    assert engine.slots.prefix_cache.stats.hit_tokens == 5 * 160
     # all six rows at once (one step admits them all): the first reads the document, the rest wait
     # their turn to prefill and start past it
     wide = load(tiny_pair["target"], draft="ngram", policy="fixed", prefix_cache_mb=16)
     got = wide.generate_many(prompts, max_batch=8, max_new_tokens=10, temperature=0)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine_for(wide, 8).prefix_cache.stats.hit_tokens == 5 * 128
+    assert engine_for(wide, 8).slots.prefix_cache.stats.hit_tokens == 5 * 128
 
 
 @pytest.mark.parametrize("prophet", ["none", "ngram", "close"])
@@ -167,7 +167,7 @@ def test_prompts_that_share_a_short_opening_take_it_from_the_cache_exactly(tiny_
         assert run_turns(cached, prompts, **settings) == run_turns(plain, prompts, **settings), settings
     # greedy: the later three start at 16; sampled, each finds its own prompt's whole blocks (the
     # last one's 32 tokens of 35, the others' 24)
-    assert cached._one_loop().prefix_cache.stats.hit_tokens == 3 * 16 + 3 * 24 + 32
+    assert cached._one_loop().slots.prefix_cache.stats.hit_tokens == 3 * 16 + 3 * 24 + 32
     want = plain.generate_many(prompts, max_batch=4, max_new_tokens=10, temperature=0)
     got = cached.generate_many(prompts, max_batch=4, max_new_tokens=10, temperature=0)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -175,8 +175,8 @@ def test_prompts_that_share_a_short_opening_take_it_from_the_cache_exactly(tiny_
 
 def test_an_engine_that_reads_every_prompt_feature_keeps_no_prefixes(tiny_pair):
     engine = load(tiny_pair["target"], draft="none")._one_loop()
-    engine.fused_layers = (0, 1, 2)  # as with an eagle3 prophet, which drafts from every position's features
-    assert engine.enable_prefix_cache(1 << 20) is None and engine.prefix_cache is None
+    engine.slots.fused_layers = (0, 1, 2)  # as with an eagle3 prophet, which drafts from every position's features
+    assert engine.slots.enable_prefix_cache(1 << 20) is None and engine.slots.prefix_cache is None
 
 
 def test_the_server_answers_a_conversation_from_its_prefix_cache_as_without(tiny_pair):
@@ -211,15 +211,15 @@ def test_smollm2_continues_a_chat_from_its_prefix_cache_token_for_token(draft):
     more = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And in Asia?"}]
     assert cached.generate(messages=more, max_new_tokens=8, temperature=0).token_ids == \
         plain.generate(messages=more, max_new_tokens=8, temperature=0).token_ids
-    assert cached._one_loop().prefix_cache.stats.hit_tokens >= 64
+    assert cached._one_loop().slots.prefix_cache.stats.hit_tokens >= 64
     # another question after SmolLM2's default system turn (24 tokens) starts past it
     ask = [{"role": "user", "content": "Why is the sky blue?"}]
-    before = cached._one_loop().prefix_cache.stats.hit_tokens
+    before = cached._one_loop().slots.prefix_cache.stats.hit_tokens
     for question in ("Why is the sky blue?", "Write a haiku about autumn."):
         ask = [{"role": "user", "content": question}]
         assert cached.generate(messages=ask, max_new_tokens=8, temperature=0).token_ids == \
             plain.generate(messages=ask, max_new_tokens=8, temperature=0).token_ids
-    assert cached._one_loop().prefix_cache.stats.hit_tokens - before == 24
+    assert cached._one_loop().slots.prefix_cache.stats.hit_tokens - before == 24
 
 
 def test_a_decoders_engines_share_one_prefix_cache(tiny_pair):
@@ -229,9 +229,9 @@ def test_a_decoders_engines_share_one_prefix_cache(tiny_pair):
     prompt = turns(cached.target.vocab_size, 7)[1]  # 170 tokens: two whole blocks
     alone = cached.generate(prompt, max_new_tokens=4, temperature=0)
     engine = engine_for(cached, 4)
-    assert engine.prefix_cache is cached._one_loop().prefix_cache
+    assert engine.slots.prefix_cache is cached._one_loop().slots.prefix_cache
     [again] = cached.generate_many([prompt], max_batch=4, max_new_tokens=4, temperature=0)
-    assert again.token_ids == alone.token_ids and engine.prefix_cache.stats.hit_tokens == 128
+    assert again.token_ids == alone.token_ids and engine.slots.prefix_cache.stats.hit_tokens == 128
 
 
 def test_concurrent_requests_under_a_small_cache_get_their_own_answers(tiny_pair):
@@ -262,7 +262,7 @@ def test_concurrent_requests_under_a_small_cache_get_their_own_answers(tiny_pair
     assert [answers[i].json()["choices"][0]["text"] for i in range(12)] == want
     from specdec.wiring import engine_for
 
-    cache = engine_for(decoder, 4).prefix_cache
+    cache = engine_for(decoder, 4).slots.prefix_cache
     assert cache.nbytes <= cache.max_bytes and cache.stats.evicted_blocks > 0 and cache.stats.hit_tokens > 0
     assert sum(answers[i].json()["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(12)) == \
         cache.stats.hit_tokens

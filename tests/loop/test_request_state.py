@@ -55,4 +55,4 @@ def test_a_stream_dropped_early_frees_the_decoder(tiny_pair):
     next(s)
     s.close()
     engine = decoder._one_loop()
-    assert len(engine.free_slots) == engine.target.slots  # its row (cache slot) went back at once
+    assert len(engine.slots.free) == engine.target.slots  # its row (cache slot) went back at once

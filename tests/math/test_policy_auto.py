@@ -254,7 +254,7 @@ def test_calibrate_times_the_one_loop_greedy_and_sampled_at_a_short_and_a_long_c
         assert min(c.t_draft_by.values()) >= 0 and min(c.t_call_by.values()) >= 0
         assert sorted(c.t_verify) == [1, 2, 3, 4] and list(c.t_verify.values()) == sorted(c.t_verify.values())
     engine = decoder._one_loop()
-    assert sorted(engine.free_slots) == list(range(engine.target.slots))  # the placeholder rows left
+    assert sorted(engine.slots.free) == list(range(engine.target.slots))  # the placeholder rows left
     assert Costs.from_dict(costs.to_dict()) == costs
 
 

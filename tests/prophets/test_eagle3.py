@@ -98,7 +98,7 @@ def test_eagle3_rows_are_greedy_equal_to_plain_decoding(tiny_pair, plain_tiny, t
     """Rows of several prompt lengths (prefilled in chunks), joining and leaving, alone and
     batched: the tokens of plain decoding; the prophet drafts once a row's prompt is in."""
     engine = batch_engine(tiny_pair["target"], spec.format(e3=tiny_eagle3), slots=3, draft_dtype=torch.float32)
-    engine.set_prefill_chunk(16)
+    engine.slots.set_prefill_chunk(16)
     g = torch.Generator().manual_seed(0)
     reqs = [Request(torch.randint(1, engine.target.vocab_size, (n,), generator=g).tolist(), m, SamplingParams(0.0), 3)
             for n, m in ((5, 20), (40, 12), (3, 30), (70, 16), (9, 24))]

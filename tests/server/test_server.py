@@ -316,7 +316,7 @@ def test_concurrent_requests_run_in_batched_steps_identical_to_plain_decoding(se
     print(f"{steps - steps0:.0f} steps, {(rows - rows0) / (steps - steps0):.2f} rows per step")
     assert steps > steps0 and (rows - rows0) / (steps - steps0) > 1.5, "the requests were not batched"
     engine = engine_for(decoder, 8)
-    assert engine is not None and sorted(engine.free_slots) == list(range(8)), "a cache slot was not freed"
+    assert engine is not None and sorted(engine.slots.free) == list(range(8)), "a cache slot was not freed"
 
 
 def test_stop_strings_on_the_batched_path_match_the_library(server, decoder):
@@ -335,7 +335,7 @@ def test_stop_strings_on_the_batched_path_match_the_library(server, decoder):
     assert rounds[-1]["choices"][0]["finish_reason"] == "stop"
     assert sum(ch["specdec"]["committed"] for ch in rounds) == len(want.token_ids)
     engine = engine_for(decoder, 8)
-    assert engine is not None and sorted(engine.free_slots) == list(range(8))
+    assert engine is not None and sorted(engine.slots.free) == list(range(8))
 
 
 @pytest.mark.parametrize("spec,multi", [("ngram+{close}", "tree"), ("{close}:int8", "auto")])
@@ -399,7 +399,7 @@ def test_the_batched_step_costs_are_measured_before_serving(tiny_pair):
             r = c.post("/v1/completions", json={"prompt": "def ", "max_tokens": 12, "temperature": 0})
             assert r.status_code == 200
             assert r.json()["choices"][0]["text"] == plain_text(dec, "def ", 12)
-        assert engine.kchoice.by_bucket == measured and sorted(engine.free_slots) == list(range(6))
+        assert engine.kchoice.by_bucket == measured and sorted(engine.slots.free) == list(range(6))
 
 
 def test_the_default_kind_of_prophets_serve_in_batched_steps(tiny_pair, tiny_eagle):

@@ -173,7 +173,7 @@ class Scheduler:
         # The one loop's engine: every request is a row of its steps
         self.engine: BatchEngine = engine_for(decoder, max_batch)
         if prefill_chunk is not None:
-            self.engine.set_prefill_chunk(prefill_chunk)
+            self.engine.slots.set_prefill_chunk(prefill_chunk)
         # The batched cache's memory budget: rows join while their reserved caches fit it
         self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
         self._kv_reserved = 0
@@ -360,7 +360,7 @@ class Scheduler:
                                  End("error", f"generation failed: {type(e).__name__}: {e}", 500))
             return
         self.metrics.step_rows.observe(len(rows))
-        self.metrics.prefix(engine.prefix_cache)
+        self.metrics.prefix(engine.slots.prefix_cache)
         served = {id(r.row): r for r in rows}
         for stepped, event in done:
             self._post_step(engine, served[id(stepped)], event)

@@ -24,6 +24,7 @@ import hashlib
 import random
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -371,23 +372,45 @@ def read_ids(path: Path) -> list[dict[str, Any]]:
                                         z["shard"], strict=True)]
 
 
-@torch.inference_mode()
-def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: Any = print) -> Path:
-    """Each shard without features (answered by the int4 engine, or rebuilt from ids) gets
-    them: the target reads each sequence once (teacher forcing, bf16 where the CPU computes it
-    natively), keeping its last feature and the fused layers' outputs at every position but
-    the last; sequences of similar length share a pass. Each shard is rewritten atomically, so
-    an interrupted run resumes."""
+FEATURE_ENGINES = ("bf16", "int4")
+
+
+def feature_model(target: str, rows: int, engine: str = "bf16") -> LlamaWeights:
+    """The target whose features the prophets learn from: "bf16" its float weights (bf16 where the
+    CPU computes it natively); "int4" the model users run by default (`specdec.load(target)`: on
+    SmolLM2 its GGUF file's 4-bit blocks), whose features a prophet reads when it serves."""
+    if engine not in FEATURE_ENGINES:
+        raise ValueError(f"the feature engine must be one of {', '.join(FEATURE_ENGINES)}, got {engine!r}")
+    if engine == "int4":
+        import specdec
+
+        loaded = specdec.load(target, draft="none").target
+        lean = getattr(loaded, "rows", None)
+        if not isinstance(lean, BatchLlama):
+            raise ValueError(f"int4 features need a target on the lean path; '{target}' loads as "
+                             f"{type(loaded).__name__}")
+        return lean.view(rows)
     from specdec.wiring import default_draft_dtype, load_pretrained
 
+    model, _ = load_pretrained(target, default_draft_dtype())
+    return BatchLlama(model, target, rows)
+
+
+@torch.inference_mode()
+def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: Any = print, engine: str = "bf16",
+                 fused: bool = True) -> Path:
+    """Each shard without features (answered by the int4 engine, or rebuilt from ids) gets
+    them: the target (`feature_model`: its bf16 or int4 weights) reads each sequence once
+    (teacher forcing), keeping its last feature (and, where `fused`, the fused layers' outputs an
+    eagle3 prophet reads) at every position but the last; sequences of similar length share a
+    pass. Each shard is rewritten atomically, so an interrupted run resumes."""
     # memory-mapped: which shards have features is seen without reading them (150 MB a shard)
     todo = [p for p in sorted(data_dir.glob("shard-*.pt"))
             if "hidden" not in torch.load(p, weights_only=False, mmap=True)]
     if not todo:
         return data_dir
-    model, _ = load_pretrained(target, default_draft_dtype())
-    lm = BatchLlama(model, target, rows)
-    capture = fused_layers(len(lm.layers))
+    lm = feature_model(target, rows, engine)
+    capture = fused_layers(len(lm.layers)) if fused else ()
     d = lm.embed.shape[1]
     gen = torch.Generator().manual_seed(0)
     for n, path in enumerate(todo):
@@ -402,30 +425,44 @@ def add_features(data_dir: Path, target: str = "smollm2", rows: int = 32, log: A
             for i, (_, h) in zip(part, done, strict=True):
                 feats[i] = h
         kept = [f for f in feats if f is not None]  # every one (keep_hidden)
-        shard.update({"hidden": [f[:, :d].contiguous() for f in kept], "fused": [f[:, d:].contiguous() for f in kept],
-                      "fused_layers": capture})
+        shard.update({"hidden": [f[:, :d].contiguous() for f in kept], "features": engine})
+        if capture:
+            shard.update({"fused": [f[:, d:].contiguous() for f in kept], "fused_layers": capture})
         save_atomic(shard, path)
         positions = sum(len(s) - 1 for s in seqs)
         log(f"features: {path.name} ({n + 1} of {len(todo)}), {positions / (time.perf_counter() - t0):.0f} positions/s")
     return data_dir
 
 
-def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: int = 32,
-                      log: Any = print, features: bool = True) -> Path:
-    """Shards as `generate` writes them, rebuilt from an `export_ids` file: the target reads
-    each sequence once (teacher forcing, bf16 where the CPU computes it natively), keeping its
-    last feature and the fused layers' outputs at every position but the last; sequences of
-    similar length share a pass. Resumable: a shard already there is skipped. The prompt list
-    goes to out_dir/prompts.pt, so `generate(out_dir, batch_size=128)` answers the rest."""
+def id_files(sources: Path | Sequence[Path]) -> list[Path]:
+    """The `export_ids`-format files named: a file as it is, a folder as its seed-*.npz files in
+    order (`specdec.train.grow`'s shards)."""
+    paths = [sources] if isinstance(sources, Path) else list(sources)
+    return [f for p in paths for f in (sorted(p.glob("seed-*.npz")) if p.is_dir() else [p])]
+
+
+def features_from_ids(sources: Path | Sequence[Path], out_dir: Path, target: str = "smollm2", rows: int = 32,
+                      log: Any = print, features: bool = True, engine: str = "bf16", fused: bool = True) -> Path:
+    """Shards as `generate` writes them, rebuilt from `export_ids` files (`id_files`: one file, or
+    several and folders of them, their shards numbered on in order): the target reads each
+    sequence once (`add_features`: teacher forcing on its bf16 or int4 weights). Resumable: a
+    shard already there is skipped. From one file the prompt list goes to out_dir/prompts.pt,
+    so `generate(out_dir, batch_size=128)` answers the rest."""
     import numpy as np
 
-    seqs = read_ids(path)
+    files = id_files(sources)
+    if not files:
+        raise ValueError(f"no token-id files in {sources}")
     by_shard: dict[int, list[dict[str, Any]]] = {}
-    for s in seqs:
-        by_shard.setdefault(s["shard"], []).append(s)
+    offset = 0
+    for f in files:
+        seqs = read_ids(f)
+        for s in seqs:
+            by_shard.setdefault(offset + s["shard"], []).append(s)
+        offset += max((s["shard"] for s in seqs), default=-1) + 1
     out_dir.mkdir(parents=True, exist_ok=True)
-    z = np.load(path)
-    if "prompt_texts" in z and len(z["prompt_texts"]) and not (out_dir / "prompts.pt").exists():
+    z = np.load(files[0])
+    if len(files) == 1 and "prompt_texts" in z and len(z["prompt_texts"]) and not (out_dir / "prompts.pt").exists():
         # the whole prompt list: `generate` into out_dir (same batch size) answers the batches not answered yet
         seeds = z["prompt_seeds"] if "prompt_seeds" in z else np.full(len(z["prompt_texts"]), -1, dtype=np.int64)
         torch.save([{"category": str(c), "text": str(t), **({"seed": int(s)} if s >= 0 else {})}
@@ -437,7 +474,7 @@ def features_from_ids(path: Path, out_dir: Path, target: str = "smollm2", rows: 
             continue
         save_atomic({"ids": [s["ids"] for s in group], "prompt_len": [s["prompt_len"] for s in group],
                      "category": [s["category"] for s in group], "temperature": group[0]["temperature"]}, shard_path)
-    return add_features(out_dir, target, rows, log) if features else out_dir
+    return add_features(out_dir, target, rows, log, engine, fused) if features else out_dir
 
 
 if __name__ == "__main__":
@@ -455,8 +492,13 @@ if __name__ == "__main__":
                     help="torch threads (1 when other work shares a 2-core machine: spinning threads crawl)")
     ap.add_argument("--export", type=Path, default=None,
                     help="write the token ids of --out's shards to this .npz file (no generation)")
-    ap.add_argument("--from-ids", type=Path, default=None,
-                    help="rebuild --out's shards (features included) from an --export file (no generation)")
+    ap.add_argument("--from-ids", type=Path, nargs="+", default=None,
+                    help="rebuild --out's shards (features included) from --export files or folders of them "
+                         "(data/broad: its seed-*.npz) (no generation)")
+    ap.add_argument("--feature-engine", choices=FEATURE_ENGINES, default="bf16",
+                    help="whose features: the target's bf16 weights, or the int4 model users run "
+                         "(--from-ids, --features)")
+    ap.add_argument("--no-fused", action="store_true", help="keep no fused-layer outputs (eagle3's; 3x the disk)")
     ap.add_argument("--engine", choices=("bf16", "int4"), default="bf16",
                     help="who answers: this module's bf16 pass (features kept), or the decoder users run (int4 on "
                          "SmolLM2, ~2-3x faster here; ids only, then --features)")
@@ -474,10 +516,10 @@ if __name__ == "__main__":
         print(export_ids(a.out, a.export))
         raise SystemExit(0)
     if a.from_ids is not None:
-        features_from_ids(a.from_ids, a.out, features=not a.ids_only)
+        features_from_ids(a.from_ids, a.out, features=not a.ids_only, engine=a.feature_engine, fused=not a.no_fused)
         raise SystemExit(0)
     if a.features:
-        add_features(a.out)
+        add_features(a.out, engine=a.feature_engine, fused=not a.no_fused)
         raise SystemExit(0)
     generate("smollm2", a.out, a.magpie, a.tasks, a.batch_size, a.max_new, seed=a.seed, minutes=a.minutes,
              engine=a.engine, more=a.more)

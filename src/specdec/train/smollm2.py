@@ -39,12 +39,15 @@ def run(cfg: dict[str, Any], work_dir: Path | None = None, models_dir: Path | No
     d = cfg["data"]
     t0 = time.perf_counter()
     minutes = data_minutes if data_minutes is not None else d.get("minutes")
-    ids = Path(d["ids"]) if d.get("ids") else None
-    if d.get("source", "chat") == "broad" and ids is not None and ids.exists():
-        # the answers the repository keeps (token ids only): the features rebuilt by one teacher-forced pass
+    ids = [Path(p) for p in ([d["ids"]] if isinstance(d.get("ids"), str) else d.get("ids") or [])]
+    engine, fused = str(d.get("features", "bf16")), bool(d.get("fused", True))
+    if d.get("source", "chat") == "broad" and ids and all(p.exists() for p in ids):
+        # the answers the repository keeps (token ids only): the features rebuilt by one teacher-forced pass of
+        # the target's bf16 or int4 weights (`features`), into a folder of their own
         from specdec.train.magpie import features_from_ids
 
-        data_dir = features_from_ids(ids, work / "broad", paths["target"], log=log)
+        data_dir = features_from_ids(ids, work / ("broad" if engine == "bf16" else f"broad-{engine}"), paths["target"],
+                                     log=log, engine=engine, fused=fused)
     elif d.get("source", "chat") == "broad":  # Magpie questions + task templates (specdec.train.magpie)
         from specdec.train.magpie import add_features, generate
 

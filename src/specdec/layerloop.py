@@ -48,7 +48,7 @@ def kernels() -> Any:
     return qgemm.module() if qgemm.available() else None
 
 
-def _product(module: Any, weight: Any, int4_rows: str) -> Any:
+def cpp_product(module: Any, weight: Any, int4_rows: str) -> Any:
     """The C++ product of one of a layer's weights, or None where the Python loop must multiply it."""
     if isinstance(weight, Int4Weight):
         if weight.kernel == "torch":
@@ -91,7 +91,7 @@ def _build(lm: Any) -> Any:
     for i, w in enumerate(lm.layers):
         if any(t is not None and t.dtype != torch.float32 for t in (w.get(e) for e in EXTRAS)):
             return None
-        products = [_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
+        products = [cpp_product(module, w[name], lm.int4_rows) for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products) or w["in_norm"].dtype != torch.float32:
             return None
         if lm.bucket_rows and any(not isinstance(w[name], Int4Weight) for name in ("qkv", "o", "gate_up", "down")):

@@ -196,7 +196,7 @@ class LlamaWeights:
         weights = [w for w in (layer[name] for name in ("qkv", "o", "gate_up", "down")) if isinstance(w, Int4Weight)]
         return int4_row_policy(weights, self.lm_head if isinstance(self.lm_head, Int4Weight) else None)
 
-    def _mm(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """x (..., D) @ weight.T: a 4-bit weight through the int4 kernel (rows as `int4_rows`
         says); a float one with its rows padded as `row_policy` says where `bucket_rows` says so;
         float32 on the CPU through `qgemm.f32_product` (a few rows: specdec's kernel, rows invariant)."""
@@ -220,15 +220,15 @@ class LlamaWeights:
 
     def _linear(self, x: torch.Tensor, w: dict[str, Any], name: str) -> torch.Tensor:
         """x @ W.T for the product `name` of a layer's weights w."""
-        return self._mm(x, w[name])
+        return self.matmul(x, w[name])
 
-    def _mlp(self, x: torch.Tensor, w: dict[str, Any]) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, w: dict[str, Any]) -> torch.Tensor:
         """A layer's MLP on the residual stream x: down(act(gate) * up) of its pre-MLP norm (and,
         where the family has one, the norm of that output)."""
-        gate, up = self._linear(self._norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
+        gate, up = self._linear(self.rms_norm(x, w["post_norm"]), w, "gate_up").chunk(2, dim=-1)
         act = F.silu(gate) if self.arch.act == "silu" else F.gelu(gate, approximate="tanh")
         out = self._linear(act * up, w, "down")
-        return self._norm(out, w["mlp_out_norm"]) if "mlp_out_norm" in w else out
+        return self.rms_norm(out, w["mlp_out_norm"]) if "mlp_out_norm" in w else out
 
     @staticmethod
     def _offset(weight: torch.Tensor, offset: float) -> torch.Tensor:
@@ -262,7 +262,7 @@ class LlamaWeights:
                 weights[name] = _int8_of(layer, name, int8, cache[name][1], key)
         return weights
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as Llama computes it (in float32). x (..., D)."""
         if x.dtype == torch.float32:  # one op instead of six: the extension's (as the C++ loop's), else PyTorch's
             ext = layerloop.kernels() if x.device.type == "cpu" and weight.dtype == torch.float32 else None
@@ -274,7 +274,7 @@ class LlamaWeights:
         return weight * x32.to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotary positions: x (..., n, hd), cos and `sin_signed` (n, hd) at x's positions."""
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
@@ -376,7 +376,7 @@ class BatchLlama(LlamaWeights):
         """Write blocks of keys and values ((layers, kv heads, n, head dim) each, in order) at
         positions 0.. of a slot (`specdec.prefix`). Returns the positions written."""
         end = sum(k.shape[2] for k, _ in blocks)
-        k_slot, v_slot = self._reserve(slot, end)
+        k_slot, v_slot = self.reserve(slot, end)
         at = 0
         for k, v in blocks:
             n = k.shape[2]
@@ -385,7 +385,7 @@ class BatchLlama(LlamaWeights):
             at += n
         return end
 
-    def _reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for positions [0, end) in a slot: grow by doubling, keep what is written."""
         k_old, v_old = self.k_slots[slot], self.v_slots[slot]
         capacity = 0 if k_old is None else k_old.shape[2]
@@ -418,16 +418,16 @@ class BatchLlama(LlamaWeights):
         Families add biases, norms of each head of q and k (before rotary), and a norm of the output."""
         n_rows, n, hd = h.shape[0], h.shape[1], self.head_dim
         w = self.layers[i]
-        qkv = self._mm(h, w["qkv"])
+        qkv = self.matmul(h, w["qkv"])
         if "qkv_bias" in w:
             qkv = qkv + w["qkv_bias"]
         if "q_norm" in w:  # each head of q and k normalized over its hd values (in place: qkv is this pass's own)
             split = qkv.view(n_rows, n, -1, hd)
-            split[:, :, : self.n_heads] = self._norm(split[:, :, : self.n_heads], w["q_norm"])
-            split[:, :, self.n_heads : self.n_heads + self.n_kv] = self._norm(
+            split[:, :, : self.n_heads] = self.rms_norm(split[:, :, : self.n_heads], w["q_norm"])
+            split[:, :, self.n_heads : self.n_heads + self.n_kv] = self.rms_norm(
                 split[:, :, self.n_heads : self.n_heads + self.n_kv], w["k_norm"])
         heads = qkv.view(n_rows, n, -1, hd).transpose(1, 2)  # (B, Hq + 2 Hkv, n, hd)
-        qk = self._rope(heads[:, : self.n_heads + self.n_kv], *rope)  # queries and keys rotated at once
+        qk = self.rotate(heads[:, : self.n_heads + self.n_kv], *rope)  # queries and keys rotated at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (B, Hq, n, hd), (B, Hkv, n, hd)
         v = heads[:, self.n_heads + self.n_kv :]  # (B, Hkv, n, hd)
         gqa = self.n_kv != self.n_heads
@@ -461,8 +461,8 @@ class BatchLlama(LlamaWeights):
             else:
                 out[b : b + 1, :, :n_new] = one
         assert out is not None
-        out = self._mm(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
-        return self._norm(out, w["attn_out_norm"]) if "attn_out_norm" in w else out
+        out = self.matmul(out.transpose(1, 2).reshape(n_rows, n, self.n_heads * hd), w["o"])  # (B, n, D)
+        return self.rms_norm(out, w["attn_out_norm"]) if "attn_out_norm" in w else out
 
     def _tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                         node_keys: Sequence[torch.Tensor], gqa: bool, scores: Scores | None = None) -> torch.Tensor:
@@ -545,7 +545,7 @@ class BatchLlama(LlamaWeights):
             node_keys = [torch.cat([context, start + allowed[j, start:].nonzero().flatten().to(device)])
                          for j in range(chain, len(where))] if self.exact_rows else []
             layouts[b] = _Tree(allowed.to(device), node_keys, where.to(device))
-        rows = [(*self._reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
+        rows = [(*self.reserve(int(slot), start + len(ids)), start, len(ids), scored, tree)
                 for slot, start, ids, scored, tree in zip(slots, starts, new_ids, n_logits, layouts, strict=True)]
         ids = torch.tensor([list(r) + [0] * (n - len(r)) for r in new_ids], device=device)  # (B, n), padded
         positions = positions.clamp_max(self.max_length - 1)  # padding only; its outputs are discarded
@@ -564,8 +564,8 @@ class BatchLlama(LlamaWeights):
                                 [c for c, _ in more], [s for _, s in more])
         else:
             for i, w in enumerate(self.layers[:layers]):
-                x = x + self._attention(i, self._norm(x, w["in_norm"]), ropes[self.arch.rope(i)], rows)
-                x = x + self._mlp(x, w)
+                x = x + self._attention(i, self.rms_norm(x, w["in_norm"]), ropes[self.arch.rope(i)], rows)
+                x = x + self.mlp(x, w)
                 if i in capture:
                     kept.append(x.float())
         self.forward_calls += 1
@@ -577,10 +577,10 @@ class BatchLlama(LlamaWeights):
         pick = (first[:, None] + torch.arange(m, device=device)).clamp(min=0)
         pick = torch.minimum(pick, lens[:, None] - 1)  # (B, m)
         x = x.gather(1, pick[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, m, D)
-        hidden = self._norm(x, self.final_norm)
+        hidden = self.rms_norm(x, self.final_norm)
         if not head:
             return hidden.new_zeros(*hidden.shape[:2], 0).float(), hidden.float(), fused
-        logits = self._mm(hidden, self.lm_head).float()
+        logits = self.matmul(hidden, self.lm_head).float()
         if self.arch.final_softcap is not None:
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits, hidden.float(), fused

@@ -34,7 +34,7 @@ class FastLlamaLM:
                                                              act_dtype=act_dtype, kv_dtype=kv_dtype)
         # The KV buffer grows with the request (doubling, up to the context), instead of being
         # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
-        self.rows._reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))
+        self.rows.reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))
         self.tokens: list[int] = []
         self.last_hidden = torch.zeros(0)
 

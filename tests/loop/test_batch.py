@@ -219,7 +219,8 @@ def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
     for shape in [(1, 72), (3, 7, 72), (2, 17, 72)]:  # 21 and 34 rows are padded to 22 and 36 (or 32, 48)
         x = torch.randn(shape).to(torch.bfloat16)
         rows = x.reshape(-1, 72)  # each row as a product of its own: the padding changes no row
-        assert torch.equal(batch._mm(x, w).reshape(len(rows), -1), torch.cat([batch._mm(r[None], w) for r in rows]))
+        each = torch.cat([batch.matmul(r[None], w) for r in rows])
+        assert torch.equal(batch.matmul(x, w).reshape(len(rows), -1), each)
     # and the bfloat16 lean paths still agree with each other row by row
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(97, (n,), generator=g).tolist() for n in (19, 4)]

@@ -234,7 +234,7 @@ class Eagle3Runtime:
             return None
         from specdec.defaults import PREFILL_CHUNK, fine_block
 
-        products = [layerloop._product(module, self.w[name], "") for name in ("qkv", "o", "gate_up", "down")]
+        products = [layerloop.cpp_product(module, self.w[name], "") for name in ("qkv", "o", "gate_up", "down")]
         if any(p is None for p in products):
             return None
         n = self.net

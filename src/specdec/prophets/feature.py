@@ -162,8 +162,8 @@ def _fused_step(head: FeatureHead) -> Callable[[torch.Tensor, torch.Tensor], tor
     module = layerloop.kernels()
     if module is None or layerloop.loop_choice() == "python":
         return None
-    ups = [layerloop._product(module, up, "") for up, _ in products]  # type: ignore[misc]
-    downs = [layerloop._product(module, down, "") for _, down in products]  # type: ignore[misc]
+    ups = [layerloop.cpp_product(module, up, "") for up, _ in products]  # type: ignore[misc]
+    downs = [layerloop.cpp_product(module, down, "") for _, down in products]  # type: ignore[misc]
     if any(p is None for p in ups + downs):
         return None
     return functools.partial(module.residual_mlps, ups, downs)

@@ -92,10 +92,10 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
         cos, sin = lm.cos[positions][:, None], lm.sin_signed[positions][:, None]
         x = lm.embed[x_ids]
         for i, w in enumerate(lm.layers):
-            h = lm._norm(x, w["in_norm"])
-            q, k, v = lm._mm(h, w["qkv"]).split([lm.n_heads * hd, lm.n_kv * hd, lm.n_kv * hd], dim=-1)
-            q = lm._rope(q.view(b, m, lm.n_heads, hd).transpose(1, 2), cos, sin)
-            keys[i, :b, :, col : col + m] = lm._rope(k.view(b, m, lm.n_kv, hd).transpose(1, 2), cos, sin)
+            h = lm.rms_norm(x, w["in_norm"])
+            q, k, v = lm.matmul(h, w["qkv"]).split([lm.n_heads * hd, lm.n_kv * hd, lm.n_kv * hd], dim=-1)
+            q = lm.rotate(q.view(b, m, lm.n_heads, hd).transpose(1, 2), cos, sin)
+            keys[i, :b, :, col : col + m] = lm.rotate(k.view(b, m, lm.n_kv, hd).transpose(1, 2), cos, sin)
             values[i, :b, :, col : col + m] = v.view(b, m, lm.n_kv, hd).transpose(1, 2)
             kk, vv = keys[i, :b, :, : col + m], values[i, :b, :, : col + m]
             if m == 1:  # the query heads sharing a key head attend together: no copy of the cache
@@ -104,18 +104,18 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
             else:
                 a = F.scaled_dot_product_attention(q, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
                                                    attn_mask=mask)
-            x = x + lm._mm(a.transpose(1, 2).reshape(b, m, -1), w["o"])
-            x = x + lm._mlp(x, w)
+            x = x + lm.matmul(a.transpose(1, 2).reshape(b, m, -1), w["o"])
+            x = x + lm.mlp(x, w)
             if i in capture:
                 kept.append(x)
-        return torch.cat([lm._norm(x, lm.final_norm), *kept], dim=-1) if kept else lm._norm(x, lm.final_norm)
+        return torch.cat([lm.rms_norm(x, lm.final_norm), *kept], dim=-1) if kept else lm.rms_norm(x, lm.final_norm)
 
     h = run(ids, 0)
     if keep_hidden:
         for b in range(n):
             hidden[b].append(h[b, int(pad[b]) :].to(torch.bfloat16).cpu())
     d = lm.embed.shape[1]
-    logits = lm._mm(h[:, -1, :d], lm.lm_head).float()
+    logits = lm.matmul(h[:, -1, :d], lm.lm_head).float()
     col = width
     alive = [True] * n  # per batch row: still generating
     for step in range(max_new):
@@ -138,7 +138,7 @@ def continue_rows(lm: LlamaWeights, prompts: list[list[int]], max_new: int, stop
             for j, a in enumerate(alive):
                 if a:
                     hidden[int(rows[j])].append(h[j : j + 1].to(torch.bfloat16).cpu())
-        logits = lm._mm(h[:, :d], lm.lm_head).float()
+        logits = lm.matmul(h[:, :d], lm.lm_head).float()
     result = []
     for b in range(n):
         hs = torch.cat(hidden[b]) if keep_hidden else None

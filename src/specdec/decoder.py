@@ -117,6 +117,10 @@ class SpeculativeDecoder:
         self.multi = multi
         # MiB of prompt prefixes' keys and values its engines keep for later requests (0: none; specdec.prefix)
         self.prefix_cache_mb = 0.0
+        # the round loops its requests run on, by their number of rows (`wiring.engine_for` builds them), and
+        # the prompt prefix cache they share (`specdec.prefix.PrefixCache`, or None)
+        self.engines: dict[int, Any] = {}
+        self.prefix_store: Any = None
         self.branches = 1  # > 1: an eagle grows a token tree each round, up to this many children a node
         self.eos_token_ids = set(eos_token_ids)
         # the grammar engine's view of the tokens: the tokenizer's, read at first use (or set)
@@ -245,7 +249,7 @@ class SpeculativeDecoder:
     def prefix_cache(self) -> Any:
         """The prompt prefix cache this decoder's engines share (`specdec.prefix.PrefixCache`),
         or None: `prefix_cache_mb` is 0, or no request has run yet."""
-        return self.__dict__.get("_prefix_cache")
+        return self.prefix_store
 
     # ----------------------------------------------------------------- a request
     def _checked(self, prompt: str | Sequence[int], max_new_tokens: int | None, draft_tokens: int | None,

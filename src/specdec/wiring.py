@@ -468,14 +468,12 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
     (cached on it): the one round loop its requests run on, alone or many at once. costs:
     hand it the decoder's stored step costs (measured on this engine the first time:
     `SpeculativeDecoder.calibrate`)."""
-    cache: dict[int, Any] = decoder.__dict__.setdefault("_batch_engines", {})
-    if slots not in cache:
-        cache[slots] = _new_engine(decoder, slots)
-    engine = cache[slots]
+    if slots not in decoder.engines:
+        decoder.engines[slots] = _new_engine(decoder, slots)
+    engine = decoder.engines[slots]
     mb = getattr(decoder, "prefix_cache_mb", 0.0)
     if engine.prefix_mb != mb:  # the decoder's prompt prefix cache, one for its engines
-        decoder.__dict__["_prefix_cache"] = engine.slots.enable_prefix_cache(int(mb * (1 << 20)),
-                                                                       decoder.__dict__.get("_prefix_cache"))
+        decoder.prefix_store = engine.slots.enable_prefix_cache(int(mb * (1 << 20)), decoder.prefix_store)
         engine.prefix_mb = mb
     if costs and engine.prophet is not None and decoder.policy.needs_costs and engine.kchoice.row_costs is None:
         # sampled rows decide K from the decoder's stored costs: a seeded row gives the same

@@ -56,7 +56,7 @@ def test_the_driver_frees_every_row_when_its_caller_stops_early(tiny_pair):
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"])
     stream = decoder.stream([5, 6, 7], max_new_tokens=40, temperature=0)
     next(stream)
-    engine = next(iter(decoder.__dict__["_batch_engines"].values()))
+    engine = next(iter(decoder.engines.values()))
     held = engine.target.slots - len(engine.slots.free)
     assert held == 1
     stream.close()  # the caller stops: the row's slot is free again

@@ -5,7 +5,9 @@ target, is fed the same prompt token ids (the chat template already applied by s
 and the same settings, and runs interleaved per prompt with specdec's own configurations:
 plainly, and with llama-cpp-python's own speculative mode, its prompt lookup decoding
 (`LlamaPromptLookupDecoding`, 10 tokens drafted from a 2-gram match in the context, every
-one scored in one batch). Its rows are reported beside specdec's, with tokens/s and the
+one scored in one batch). In `--suite structured` the peer decodes under llama.cpp's own
+grammar sampler instead (`STRUCTURED_PEER_CONFIGS`; a GBNF grammar in the settings,
+from llama-cpp-python's JSON-schema converter). Its rows are reported beside specdec's, with tokens/s and the
 speedup against specdec's plain decoding, and in greedy mode how often its tokens equal
 specdec plain's: a fact, never a check (different kernels, so near-ties can break the
 other way; llama.cpp's CPU kernels round the activations to 8 bits for 4-bit products).
@@ -29,6 +31,8 @@ LOOKUP_TOKENS = 10  # llama-cpp-python's own default for LlamaPromptLookupDecodi
 PEER_CONFIGS = {"llama.cpp": [Config("llama.cpp plain", "peer", "llama.cpp", k=0),
                               Config(f"llama.cpp prompt lookup K={LOOKUP_TOKENS}", "peer", "llama.cpp+lookup",
                                      k=LOOKUP_TOKENS)]}
+# `--suite structured`: llama.cpp's JSON-schema constrained decoding (settings["gbnf"], its grammar sampler)
+STRUCTURED_PEER_CONFIGS = {"llama.cpp": [Config("llama.cpp constrained", "peer", "llama.cpp", k=0)]}
 
 
 class Peer(Protocol):
@@ -60,19 +64,22 @@ def peer_model_path(target: str) -> Path:
                        f"{display_name(target)} is none (smollm2 or a .gguf path)")
 
 
-def check_peers(text: str | None, target: str) -> list[Config]:
-    """The configurations of `--peers` (a comma list), checked before any model loads: an
-    unknown name, a missing package or a target without a GGUF file is a SpecdecError."""
+def check_peers(text: str | None, target: str,
+                table: dict[str, list[Config]] | None = None) -> list[Config]:
+    """The configurations of `--peers` (a comma list) in `table` (default PEER_CONFIGS),
+    checked before any model loads: an unknown name, a missing package or a target without
+    a GGUF file is a SpecdecError."""
+    table = PEER_CONFIGS if table is None else table
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for name in names:
-        if name not in PEER_CONFIGS:
-            raise SpecdecError(f"--peers: unknown peer {name!r} (known: {', '.join(PEER_CONFIGS)}; "
+        if name not in table:
+            raise SpecdecError(f"--peers: unknown peer {name!r} (known: {', '.join(table)}; "
                                f"llama.cpp needs {INSTALL})")
     for name in dict.fromkeys(names):
         REQUIRES[name]()
     if names:
         peer_model_path(target)
-    return [cfg for name in dict.fromkeys(names) for cfg in PEER_CONFIGS[name]]
+    return [cfg for name in dict.fromkeys(names) for cfg in table[name]]
 
 
 class _CountedDraft:
@@ -91,7 +98,9 @@ class LlamaCppPeer:
     """llama.cpp on a GGUF file: `generate` decodes prompt token ids from a fresh context
     (no prefix kept from the previous prompt), stops at EOS (kept, as specdec does) or
     max_new_tokens, and returns the new ids, the wall time and its passes (eval calls,
-    the prompt's included, as specdec counts target calls), drafted and accepted tokens."""
+    the prompt's included, as specdec counts target calls), drafted and accepted tokens.
+    settings["gbnf"] (optional): a GBNF grammar the answer is held to by llama.cpp's own
+    grammar sampler (its time is within the wall time)."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, eos: set[int], lookup: int = 0,
                  n_batch: int = 512) -> None:
@@ -126,6 +135,10 @@ class LlamaCppPeer:
         else:
             kw = dict(temp=0.0, repeat_penalty=1.0)
         n = settings["max_new_tokens"]
+        if settings.get("gbnf"):
+            from llama_cpp import LlamaGrammar
+
+            kw["grammar"] = LlamaGrammar.from_string(settings["gbnf"], verbose=False)  # a fresh grammar state
         self.llm.set_seed(seed)
         self.evals = 0
         if self.draft is not None:

@@ -380,7 +380,7 @@ def _fill(jobs: Sequence[tuple[Any, int, list[int]]], rows: int, vocab_size: int
     if along:
         fill_next_token_bitmask_par_with_draft_tokens(_engine(), along, words)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # token 32 w + j: bit j of word w
-    return bits[:, :vocab_size].astype(bool)
+    return bits[:, :vocab_size].view(np.bool_)  # 0 / 1 bytes read as bools, no copy
 
 
 class StepMasks:
@@ -412,10 +412,13 @@ class StepMasks:
         allowed = self.wait()  # (B, n, V)
         if allowed is None:
             return logits
-        full = torch.ones(logits.shape, dtype=torch.bool)  # (B, n_logits, V)
-        n = min(allowed.shape[1], logits.shape[1])
-        full[:, :n] = allowed[:, :n]
-        return logits.masked_fill(~full.to(logits.device), -float("inf"))
+        if allowed.shape != logits.shape:  # positions past the longest draft: every token
+            full = torch.ones(logits.shape, dtype=torch.bool)  # (B, n_logits, V)
+            n = min(allowed.shape[1], logits.shape[1])
+            full[:, :n] = allowed[:, :n]
+            allowed = full
+        # where, not masked_fill: the same values, about half the time over a step's (B, n, V)
+        return torch.where(allowed.to(logits.device), logits, -float("inf"))
 
 
 def masks_for(reqs: Sequence[Any], drafts: Sequence[Sequence[int]], trees: Sequence[Sequence[int]] | None = None,

@@ -15,7 +15,11 @@ other way; llama.cpp's CPU kernels round the activations to 8 bits for 4-bit pro
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,6 +86,23 @@ def check_peers(text: str | None, target: str,
     return [cfg for name in dict.fromkeys(names) for cfg in table[name]]
 
 
+@contextmanager
+def _quiet_output() -> Iterator[None]:
+    """The process's stdout and stderr to /dev/null meanwhile (what a C library prints)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        for fd, copy in ((1, saved[0]), (2, saved[1])):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
 class _CountedDraft:
     """A llama-cpp-python draft model that counts the tokens it proposes."""
 
@@ -125,6 +146,18 @@ class LlamaCppPeer:
             inner(tokens)
 
         setattr(self.llm, "eval", counted)  # noqa: B010 (the generate loop calls self.eval)
+
+    def grammar_error(self, gbnf: str) -> str | None:
+        """Why llama.cpp cannot take a GBNF grammar (None: it can). Checked before decoding:
+        llama-cpp-python adds a grammar that does not parse as a null sampler, which crashes."""
+        import llama_cpp
+
+        with _quiet_output():  # its parser prints the whole grammar on an error
+            sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, gbnf.encode(), b"root")
+        if not sampler:
+            return "llama.cpp does not parse the grammar"
+        llama_cpp.llama_sampler_free(sampler)
+        return None
 
     def generate(self, prompt_ids: list[int], seed: int,
                  settings: dict[str, Any]) -> tuple[list[int], float, dict[str, Any]]:

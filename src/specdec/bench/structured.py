@@ -109,17 +109,23 @@ def valid(item: dict[str, Any], text: str) -> bool:
 
 def run_peer(decoder: Any, peer: Peer, config: str, item: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     """The item through a peer: specdec's prompt token ids (the same chat template), greedy,
-    under the peer's own grammar (`peer_gbnf`); its answer read with specdec's tokenizer."""
+    under the peer's own grammar (`peer_gbnf`); its answer read with specdec's tokenizer. An
+    item whose grammar the peer cannot take (item["peer_errors"][config]) is not run: invalid,
+    its reason kept, left out of the seconds and tokens."""
+    head = {"config": config, "item": item["name"], "kind": item["kind"], "shape": item["shape"], "forced": 0,
+            "mask_s": None}
+    error = item.get("peer_errors", {}).get(config)
+    if error:
+        return {**head, "valid": False, "not_run": error, "wall_s": 0.0, "new_tokens": 0, "target_calls": 0,
+                "rounds": 0, "accepted": 0, "finish_reason": None, "token_ids": []}
     eos = set(decoder.eos_token_ids)
     settings = {"temperature": 0.0, "top_k": None, "top_p": 1.0, "max_new_tokens": max_new_tokens,
                 "gbnf": item["gbnf"]}
     ids, wall, stats = peer.generate(decoder.chat_ids(item["messages"]), 0, settings)
     text = str(decoder.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True))
-    finish = "stop" if ids and ids[-1] in eos else "length"
-    return {"config": config, "item": item["name"], "kind": item["kind"], "shape": item["shape"],
-            "valid": valid(item, text), "wall_s": wall, "new_tokens": len(ids), "target_calls": stats["target_calls"],
-            "rounds": stats["target_calls"], "forced": 0, "accepted": stats["accepted"], "mask_s": None,
-            "finish_reason": finish, "token_ids": ids}
+    return {**head, "valid": valid(item, text), "wall_s": wall, "new_tokens": len(ids),
+            "target_calls": stats["target_calls"], "rounds": stats["target_calls"], "accepted": stats["accepted"],
+            "finish_reason": "stop" if ids and ids[-1] in eos else "length", "token_ids": ids}
 
 
 def run_one(decoders: dict[str, Any], config: str, item: dict[str, Any], max_new_tokens: int,
@@ -144,20 +150,24 @@ def run_one(decoders: dict[str, Any], config: str, item: dict[str, Any], max_new
 
 def summarize_runs(runs: list[dict[str, Any]], configs: tuple[str, ...] = CONFIGS) -> list[dict[str, Any]]:
     """One row per configuration: validity, seconds, speedup over plain constrained (summed
-    seconds over the same items), tokens per target pass, forced tokens, mask time."""
-    base = sum(r["wall_s"] for r in runs if r["config"] == "plain constrained")
+    seconds over the same items: a peer's items not run left out of both), tokens per target
+    pass, forced tokens, mask time."""
     rows = []
     for config in configs:
-        mine = [r for r in runs if r["config"] == config]
-        if not mine:
+        every = [r for r in runs if r["config"] == config]
+        if not every:
             continue
+        mine = [r for r in every if not r.get("not_run")]
+        ran = {r["item"] for r in mine}
+        base = sum(r["wall_s"] for r in runs if r["config"] == "plain constrained" and r["item"] in ran)
         wall = sum(r["wall_s"] for r in mine)
         tokens = sum(r["new_tokens"] for r in mine)
         calls = sum(r["target_calls"] for r in mine)
         rounds = sum(r["rounds"] for r in mine)
         masks = [r["mask_s"] for r in mine if r["mask_s"] is not None]
         mask = sum(masks) if masks else None  # None: a peer, whose grammar time is not told apart
-        rows.append({"config": config, "items": len(mine), "valid": sum(r["valid"] for r in mine),
+        rows.append({"config": config, "items": len(every), "not_run": len(every) - len(mine),
+                     "valid": sum(r["valid"] for r in mine),
                      "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
                      "speedup_vs_plain_constrained": base / wall if wall else 0.0,
                      "tokens_per_pass": tokens / calls if calls else 0.0, "forced": sum(r["forced"] for r in mine),
@@ -187,8 +197,12 @@ def load_peers(configs: list[Config], target: str, decoder: Any, work: list[dict
         item["gbnf"] = peer_gbnf(item)
     need = max(len(decoder.chat_ids(item["messages"])) for item in work) + max_new_tokens + 1
     path = peer_model_path(target)
-    return {cfg.name: load_peer(cfg, path, -(-need // 256) * 256, torch.get_num_threads(),
-                                set(decoder.eos_token_ids)) for cfg in configs}
+    peers = {cfg.name: load_peer(cfg, path, -(-need // 256) * 256, torch.get_num_threads(),
+                                 set(decoder.eos_token_ids)) for cfg in configs}
+    for item in work:
+        item["peer_errors"] = {name: check(item["gbnf"]) for name, p in peers.items()
+                               if (check := getattr(p, "grammar_error", None)) is not None}
+    return peers
 
 
 def run_structured(args: Any) -> dict[str, Any]:
@@ -260,4 +274,9 @@ def report_markdown(report: dict[str, Any]) -> str:
                f"{info.get('threads', '?')} thread(s), fed specdec's prompt token ids, under llama.cpp's grammar "
                "sampler with the GBNF its JSON-schema converter writes (its own JSON layout, so its answers and "
                "token counts differ from specdec's); its grammar time is inside its seconds.\n")
+        skipped = sorted({r["item"] for r in report["runs"] if r["config"] == name and r.get("not_run")})
+        if skipped:
+            reason = next(r["not_run"] for r in report["runs"] if r["config"] == name and r.get("not_run"))
+            md += (f"{name}: {len(skipped)} item(s) not run, counted invalid ({reason}: its converter's GBNF for "
+                   f"the schema): {', '.join(skipped)}.\n")
     return md

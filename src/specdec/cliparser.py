@@ -269,6 +269,7 @@ def build_parser(handlers: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     b.add_argument("--peers", default=None, metavar="NAMES",
                    help="other engines decoding the same prompts, interleaved with specdec's configurations (comma "
                         "list): llama.cpp (llama-cpp-python on the target's own GGUF file, plain and its prompt "
-                        'lookup; pip install -e ".[llamacpp]")')
+                        "lookup; with --suite structured, its own JSON-schema constrained decoding; "
+                        'pip install -e ".[llamacpp]")')
     b.set_defaults(func=handlers["bench"])
     return parser

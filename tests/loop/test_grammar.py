@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from specdec.batch import BatchEngine
 from specdec.certify import goodness_of_fit
 from specdec.decoder import SpeculativeDecoder
 from specdec.driver import Row, run_rows
-from specdec.grammar import Grammar, GrammarError, Vocabulary
+from specdec.grammar import Grammar, GrammarError, Vocabulary, mask_draft, masks_for
 from specdec.policy import Policy
 from specdec.prophets.base import BatchDraft
 from specdec.prophets.model import ModelProphet
@@ -244,3 +245,115 @@ def test_greedy_constrained_speculative_equals_plain_on_smollm2():
         assert got.stats.forced > 0 or w["kind"] == "tool"
     ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
     assert spec.generate(messages=ask, max_new_tokens=8, temperature=0, regex="(yes|no)").text in ("yes", "no")
+
+
+def _rowwise_masks(reqs, drafts, trees=None) -> torch.Tensor:
+    """The reference: each row's masks on its own (`masks_along` / `masks_tree`, one engine call a position)."""
+    c0 = next(r.constraint for r in reqs if r.constraint is not None)
+    allowed = torch.ones(len(reqs), max(map(len, drafts)) + 1, c0.vocab_size, dtype=torch.bool)
+    for b, r in enumerate(reqs):
+        if r.constraint is None:
+            continue
+        c = r.constraint
+        masks = c.masks_tree(drafts[b], trees[b]) if trees and trees[b] else c.masks_along(drafts[b])
+        c.mask(())
+        allowed[b, : masks.shape[0]] = masks
+    return allowed
+
+
+def _rows_in_states(vocab, rows):
+    """(requests, drafts): each row a constraint compiled from (kind, source), its committed tokens, its draft."""
+    reqs, drafts = [], []
+    for kind, source, committed, draft in rows:
+        c = vocab.compile(Grammar(kind, source)) if kind else None
+        if c is not None:
+            c.commit(committed)
+        reqs.append(SimpleNamespace(constraint=c))
+        drafts.append(draft)
+    return reqs, drafts
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_steps_masks_in_one_engine_call_equal_each_rows_own_bit_for_bit(background):
+    """`masks_for` fills every chain row's masks in one call of the engine (on a worker thread
+    when `background`); they equal the per-row masks bit for bit, with the rows in different
+    grammar states: at the start, mid-draft, a draft with a token outside the grammar, an end
+    token inside a draft (the position after it: only an end token), a complete grammar with
+    an empty draft, an output already ended, another grammar, an unconstrained row, a tree."""
+    rows = [("lark", GRAMMAR, [], [5, 4, 1]),
+            ("lark", GRAMMAR, [5], [4, 2, 6, 0]),
+            ("lark", GRAMMAR, [5, 4, 1], [6, EOS, 3]),  # an end token, then a token after it
+            ("lark", GRAMMAR, [5, 4], [5, 1]),  # "{" leaves the grammar
+            ("lark", GRAMMAR, [5, 4, 1, 6], []),  # complete: only the end token
+            ("lark", GRAMMAR, [5, 4, 1, 6, EOS], [EOS]),  # ended
+            ("regex", "(ab|c)+", [3], [4, 3, 3, 2]),
+            (None, None, [], [1, 2, 3]),
+            ("lark", 'start: /[abc]{2,9}/ "}"', [1, 2], [3, 6, 0, 1, 1])]
+    vocab = vocabulary()
+    reqs, drafts = _rows_in_states(vocab, rows)
+    want = _rowwise_masks(reqs, drafts)
+    before = [None if r.constraint is None else r.constraint.mask(()) for r in reqs]
+    got = masks_for(reqs, drafts, background=background).wait()
+    assert got is not None and got.shape == want.shape and torch.equal(got, want)
+    assert bool(want[2, 2].sum() == 1) and bool(want[2, 2, EOS])  # the end row: only the end token
+    assert bool(want[3, 2:].all())  # after the token outside: every token (never reached)
+    after = [None if r.constraint is None else r.constraint.mask(()) for r in reqs]
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(before, after, strict=True))  # matchers back
+    # a tree row beside chain rows: its masks from its paths, the chains' from the engine
+    trees = [[], [-1, 0, 0, 1], []]
+    treqs, tdrafts = _rows_in_states(vocab, [rows[0], ("lark", GRAMMAR, [5, 4], [1, 2, 6, 6]), rows[6]])
+    want = _rowwise_masks(treqs, tdrafts, trees)
+    assert torch.equal(masks_for(treqs, tdrafts, trees, background=background).wait(), want)
+    # the logits masked as before, a new tensor
+    logits = torch.randn(len(reqs), max(map(len, drafts)) + 2, V)
+    masked = masks_for(reqs, drafts).apply(logits)
+    assert torch.equal(masked[:, :-1].isinf(), ~_rowwise_masks(reqs, drafts)) and not masked[:, -1].isinf().any()
+    assert not logits.isinf().any() and masks_for([SimpleNamespace(constraint=None)], [[1]]).wait() is None
+
+
+def test_a_drafting_steps_masks_in_one_engine_call_equal_each_rows_own_bit_for_bit():
+    """`mask_draft` (a prophet's q over all rows of a drafting step) equals masking each row
+    alone with `Constraint.mask` after its prefix, over the full vocabulary and a draft
+    vocabulary's ids; a row whose prefix left the grammar keeps its logits."""
+    vocab = vocabulary()
+    rows = [("lark", GRAMMAR, [], [5, 4]), ("lark", GRAMMAR, [5, 4, 1], [6, EOS]), ("lark", GRAMMAR, [5], [5]),
+            ("regex", "(ab|c)+", [3], [4]), (None, None, [], [1])]
+    reqs, prefixes = _rows_in_states(vocab, rows)
+    logits = torch.randn(len(reqs), V)
+    for ids in (None, torch.tensor([0, 1, 3, 6])):
+        sub = logits if ids is None else logits[:, ids]
+        want = sub.clone()
+        for b, r in enumerate(reqs):
+            m = None if r.constraint is None else r.constraint.mask(prefixes[b])
+            if m is not None and bool((m if ids is None else m[ids]).any()):
+                want[b] = want[b].masked_fill(~(m if ids is None else m[ids]), -float("inf"))
+        assert torch.equal(mask_draft(sub, reqs, prefixes, ids), want)
+    assert torch.equal(mask_draft(logits, reqs, prefixes)[2], logits[2])  # "{" after "{": outside, kept
+
+
+def test_a_steps_masks_on_smollm2_json_rows_equal_each_rows_own():
+    """The same on SmolLM2's 49,152-token vocabulary: eight rows of one JSON schema at
+    different points of an answer, each drafting four tokens of it (the last two a token
+    outside the grammar and an end token)."""
+    from transformers import AutoTokenizer
+
+    from specdec.gguf import resolve_model
+    from specdec.grammar import json_schema_grammar
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+    vocab = Vocabulary.of(tok, 49152, [tok.eos_token_id])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "age", "tags"]}
+    ids = tok('{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry"]}')["input_ids"]
+    source = json_schema_grammar(schema).source
+    rows = [("json_schema", source, ids[:i], ids[i: i + 4]) for i in range(0, 16, 2)]
+    rows.append(("json_schema", source, ids[:3], [ids[3], tok("}")["input_ids"][0]]))  # a token outside
+    rows.append(("json_schema", source, ids[:-1], [ids[-1], tok.eos_token_id, ids[0]]))  # the end, then more
+    reqs, drafts = _rows_in_states(vocab, rows)
+    want = _rowwise_masks(reqs, drafts)
+    got = masks_for(reqs, drafts, background=True).wait()
+    assert torch.equal(got, want)
+    counts = want.sum(-1)  # (B, n): allowed tokens at each position
+    assert int(counts[0, 1]) == 1 and int(counts.max()) == 49152  # a forced key; a position never reached
+    assert ((counts > 1) & (counts < 49152)).any() and int(counts[-1, 2]) == 1  # a free string; the end row

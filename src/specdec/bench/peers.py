@@ -5,7 +5,9 @@ target, is fed the same prompt token ids (the chat template already applied by s
 and the same settings, and runs interleaved per prompt with specdec's own configurations:
 plainly, and with llama-cpp-python's own speculative mode, its prompt lookup decoding
 (`LlamaPromptLookupDecoding`, 10 tokens drafted from a 2-gram match in the context, every
-one scored in one batch). Its rows are reported beside specdec's, with tokens/s and the
+one scored in one batch). In `--suite structured` the peer decodes under llama.cpp's own
+grammar sampler instead (`STRUCTURED_PEER_CONFIGS`; a GBNF grammar in the settings,
+from llama-cpp-python's JSON-schema converter). Its rows are reported beside specdec's, with tokens/s and the
 speedup against specdec's plain decoding, and in greedy mode how often its tokens equal
 specdec plain's: a fact, never a check (different kernels, so near-ties can break the
 other way; llama.cpp's CPU kernels round the activations to 8 bits for 4-bit products).
@@ -13,7 +15,11 @@ other way; llama.cpp's CPU kernels round the activations to 8 bits for 4-bit pro
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +35,8 @@ LOOKUP_TOKENS = 10  # llama-cpp-python's own default for LlamaPromptLookupDecodi
 PEER_CONFIGS = {"llama.cpp": [Config("llama.cpp plain", "peer", "llama.cpp", k=0),
                               Config(f"llama.cpp prompt lookup K={LOOKUP_TOKENS}", "peer", "llama.cpp+lookup",
                                      k=LOOKUP_TOKENS)]}
+# `--suite structured`: llama.cpp's JSON-schema constrained decoding (settings["gbnf"], its grammar sampler)
+STRUCTURED_PEER_CONFIGS = {"llama.cpp": [Config("llama.cpp constrained", "peer", "llama.cpp", k=0)]}
 
 
 class Peer(Protocol):
@@ -60,19 +68,39 @@ def peer_model_path(target: str) -> Path:
                        f"{display_name(target)} is none (smollm2 or a .gguf path)")
 
 
-def check_peers(text: str | None, target: str) -> list[Config]:
-    """The configurations of `--peers` (a comma list), checked before any model loads: an
-    unknown name, a missing package or a target without a GGUF file is a SpecdecError."""
+def check_peers(text: str | None, target: str,
+                table: dict[str, list[Config]] | None = None) -> list[Config]:
+    """The configurations of `--peers` (a comma list) in `table` (default PEER_CONFIGS),
+    checked before any model loads: an unknown name, a missing package or a target without
+    a GGUF file is a SpecdecError."""
+    table = PEER_CONFIGS if table is None else table
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for name in names:
-        if name not in PEER_CONFIGS:
-            raise SpecdecError(f"--peers: unknown peer {name!r} (known: {', '.join(PEER_CONFIGS)}; "
+        if name not in table:
+            raise SpecdecError(f"--peers: unknown peer {name!r} (known: {', '.join(table)}; "
                                f"llama.cpp needs {INSTALL})")
     for name in dict.fromkeys(names):
         REQUIRES[name]()
     if names:
         peer_model_path(target)
-    return [cfg for name in dict.fromkeys(names) for cfg in PEER_CONFIGS[name]]
+    return [cfg for name in dict.fromkeys(names) for cfg in table[name]]
+
+
+@contextmanager
+def _quiet_output() -> Iterator[None]:
+    """The process's stdout and stderr to /dev/null meanwhile (what a C library prints)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        for fd, copy in ((1, saved[0]), (2, saved[1])):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 class _CountedDraft:
@@ -91,7 +119,9 @@ class LlamaCppPeer:
     """llama.cpp on a GGUF file: `generate` decodes prompt token ids from a fresh context
     (no prefix kept from the previous prompt), stops at EOS (kept, as specdec does) or
     max_new_tokens, and returns the new ids, the wall time and its passes (eval calls,
-    the prompt's included, as specdec counts target calls), drafted and accepted tokens."""
+    the prompt's included, as specdec counts target calls), drafted and accepted tokens.
+    settings["gbnf"] (optional): a GBNF grammar the answer is held to by llama.cpp's own
+    grammar sampler (its time is within the wall time)."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, eos: set[int], lookup: int = 0,
                  n_batch: int = 512) -> None:
@@ -117,6 +147,18 @@ class LlamaCppPeer:
 
         setattr(self.llm, "eval", counted)  # noqa: B010 (the generate loop calls self.eval)
 
+    def grammar_error(self, gbnf: str) -> str | None:
+        """Why llama.cpp cannot take a GBNF grammar (None: it can). Checked before decoding:
+        llama-cpp-python adds a grammar that does not parse as a null sampler, which crashes."""
+        import llama_cpp
+
+        with _quiet_output():  # its parser prints the whole grammar on an error
+            sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, gbnf.encode(), b"root")
+        if not sampler:
+            return "llama.cpp does not parse the grammar"
+        llama_cpp.llama_sampler_free(sampler)
+        return None
+
     def generate(self, prompt_ids: list[int], seed: int,
                  settings: dict[str, Any]) -> tuple[list[int], float, dict[str, Any]]:
         t = settings["temperature"]
@@ -126,6 +168,10 @@ class LlamaCppPeer:
         else:
             kw = dict(temp=0.0, repeat_penalty=1.0)
         n = settings["max_new_tokens"]
+        if settings.get("gbnf"):
+            from llama_cpp import LlamaGrammar
+
+            kw["grammar"] = LlamaGrammar.from_string(settings["gbnf"], verbose=False)  # a fresh grammar state
         self.llm.set_seed(seed)
         self.evals = 0
         if self.draft is not None:

@@ -36,7 +36,7 @@ from specdec.costmodel import Costs
 from specdec.defaults import MAX_NEW_TOKENS, PREFILL_CHUNK, TEMPERATURE, TOP_P
 from specdec.driver import Row, run_rows
 from specdec.finish import Finish
-from specdec.grammar import inside_rows, mask_logits
+from specdec.grammar import inside_rows, masks_for
 from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama
 from specdec.lm import attention_backends, common_prefix, tree_depths
@@ -212,6 +212,29 @@ class BatchEngine:
         lead = [r.forced if trees is None else 0 for r in active]  # (a tree pass lays out its rows itself)
         args = ([row_slot(r) for r in active], [r.target_cached for r in active], feeds,
                 [len(t) + 1 + x for t, x in zip(drafts, lead, strict=True)])
+        # p under each row's grammar (`specdec.grammar`): every constrained row's masks in one call of the
+        # engine, filled on a worker thread while the pass runs (the matchers are the fill's until applied)
+        masks = masks_for(active, drafts, trees, background=True) \
+            if any(r.constraint is not None for r in active) else None
+        try:
+            logits, hidden, fused = self._forward(args, trees)
+        finally:
+            if masks is not None:
+                masks.wait()
+        if any(lead):  # each row's entries from its last pending token on
+            logits = from_entries(logits, lead, [len(t) + 1 for t in drafts])
+            hidden = None if hidden is None else from_entries(hidden, lead, [len(t) + 1 for t in drafts])
+        if masks is not None:
+            logits = masks.apply(logits)
+        for r, f in zip(active, feeds, strict=True):
+            r.target_cached += len(f)
+        return logits, hidden, fused
+
+    def _forward(self, args: tuple[list[int], list[int], list[list[int]], list[int]],
+                 trees: Sequence[Sequence[int]] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The target's pass: its logits, the features a feature prophet reads and the fused
+        layers' outputs an eagle3 prophet reads (else None)."""
         hidden = fused = None
         if self.fused_layers:
             # only a BatchLlama target gets an eagle3 prophet (wiring._eagle3)
@@ -223,13 +246,6 @@ class BatchEngine:
             logits, hidden = self.target.forward_features(*args, trees=trees)
         else:
             logits = self.target.forward(*args, trees=trees)
-        if any(lead):  # each row's entries from its last pending token on
-            logits = from_entries(logits, lead, [len(t) + 1 for t in drafts])
-            hidden = None if hidden is None else from_entries(hidden, lead, [len(t) + 1 for t in drafts])
-        if any(r.constraint is not None for r in active):  # p under each row's grammar (`specdec.grammar`)
-            logits = mask_logits(logits, active, drafts, trees)
-        for r, f in zip(active, feeds, strict=True):
-            r.target_cached += len(f)
         return logits, hidden, fused
 
     def _timed(self, rows: int, d0: float, d1: float) -> tuple[float, float]:

@@ -170,8 +170,8 @@ def build_parser(handlers: dict[str, Callable[[argparse.Namespace], int]]) -> ar
                         "configs/bundled.toml, unless --minutes is given)")
     d.add_argument("--minutes", type=float, default=None,
                    help="no config: train an eagle prophet for --target (any Llama, Mistral, Qwen2/3, Gemma 2/3 or "
-                        "Phi-3 model: directory, cached hub id or GGUF file) in this many minutes, from data the target "
-                        "writes itself; resumable (run it again to go on), written where load(TARGET) finds it")
+                        "Phi-3 model: directory, cached hub id or GGUF file) in this many minutes, from data the "
+                        "target writes itself; resumable (run it again to go on), written where load(TARGET) finds it")
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
     d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")

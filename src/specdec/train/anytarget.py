@@ -45,8 +45,11 @@ Log = Callable[[str], None]
 TEMPERATURES = (0.0, 0.7, 1.0)  # the answers' temperatures, batch after batch (as specdec.train.grow)
 QUESTION_TOKENS = 96  # the longest Magpie question kept
 OPENING_TOKENS = 48  # a base model's openings of its own text
-SHARES = {"data": 0.45, "features": 0.15, "train": 0.40}  # of N minutes; questions take at most 1/5 of data's
-EAGLE = {"unroll": 4, "depth": 2, "lr": 1e-3, "batch_size": 256, "reg_weight": 0.1, "seed": 0}
+SHARES = {"data": 0.6, "train": 0.4}  # of N minutes: data (answers, then their features) and training
+QUESTION_SHARE = 0.2  # of the data share at most: drawing Magpie questions
+UNROLL, DEPTH, BATCH = 4, 2, 256  # draft steps trained, residual blocks, positions a step (configs/smollm2.toml's)
+EAGLE: dict[str, Any] = {"unroll": UNROLL, "depth": DEPTH, "lr": 1e-3, "batch_size": BATCH, "reg_weight": 0.1,
+                         "seed": 0}
 DRAFT_VOCAB = 8192  # the ids most frequent in the answers, as configs/smollm2.toml's [vocab]
 
 
@@ -69,11 +72,20 @@ class Budget:
     minutes: float
     spent: dict[str, float]
 
+    ratio: float | None = None  # reading a batch's features takes this many times its answering
+
     def share(self, stage: str) -> float:
+        """Seconds for a stage: the data share split between answering and reading the answers'
+        features by their measured ratio (`ratio`; until it is measured, answering has it all)."""
+        data = self.minutes * 60 * SHARES["data"]
+        if stage == "answers":
+            return data / (1 + (self.ratio or 0.0))
+        if stage == "features":
+            return data - self.share("answers")
         return self.minutes * 60 * SHARES[stage]
 
     def left(self, stage: str) -> float:
-        """Seconds this stage may still spend: its share less what it spent (data's and training's)."""
+        """Seconds a stage may still spend: its share less what it spent (across resumed runs)."""
         return max(0.0, self.share(stage) - self.spent.get(stage, 0.0))
 
     def total_left(self) -> float:
@@ -81,9 +93,9 @@ class Budget:
 
     def describe(self) -> str:
         m = {k: self.minutes * v for k, v in SHARES.items()}
-        return (f"{self.minutes:g} min in all: data {m['data']:.1f} min (its questions at most {m['data'] / 5:.1f}), "
-                f"features ~{m['features']:.1f} min (every answer read once), training the rest (~{m['train']:.1f} "
-                "min); then specdec check")
+        return (f"{self.minutes:g} min in all: data {m['data']:.1f} min (questions at most "
+                f"{m['data'] * QUESTION_SHARE:.1f}, then answers and the features of every answer, split by their "
+                f"cost measured on the first batch), training the rest (~{m['train']:.1f} min); then specdec check")
 
 
 class Work:
@@ -91,11 +103,11 @@ class Work:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
         path = root / "state.json"
         self.state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"spent": {}, "done": []}
 
     def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
         _write_json(self.root / "state.json", self.state)
 
     def done(self, stage: str) -> bool:
@@ -157,12 +169,13 @@ def load_lean(target: str) -> Any:
     return decoder
 
 
-def training_tensors(decoder: Any) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+def training_tensors(decoder: Any) -> tuple[Any, torch.Tensor, float | None]:
     """What the eagle reads when it serves (`specdec.wiring`'s feature prophet): the target's input
     embeddings as the engine holds them (Gemma's unscaled table: the engine scales after the lookup,
     the head learns from the table itself), its head (V, D) and its final soft-cap (Gemma 2) or None."""
     target = decoder.target
-    return (target.embeddings().detach().float(), target.head().detach().float(),
+    embed = target.embeddings()  # a float table, or a GGUF file's Q8_0 rows (`int4.BlockEmbedding`: looked up alike)
+    return (embed.detach().float() if isinstance(embed, torch.Tensor) else embed, target.head().detach().float(),
             target.rows.arch.final_softcap)
 
 
@@ -217,7 +230,7 @@ def draw_questions(decoder: Any, work: Work, want: int, seconds: float, settings
         got["sampled"] += n
         _write_json(path, got)
         log(f"questions: {len(got['questions'])} of {want} ({got['sampled']} sampled)")
-    work.spend("data", time.monotonic() - t0)
+    work.spend("answers", time.monotonic() - t0)
     return list(got["questions"][:want])
 
 
@@ -241,7 +254,7 @@ def own_openings(decoder: Any, work: Work, want: int, settings: Settings) -> lis
                 seen.add(tuple(ids))
                 out.append(ids)
         sampled += n
-    work.spend("data", time.monotonic() - t0)
+    work.spend("answers", time.monotonic() - t0)
     return out[:want]
 
 
@@ -257,7 +270,7 @@ def build_prompts(decoder: Any, work: Work, budget: Budget, settings: Settings, 
     tok = decoder.tokenizer
     prompts: list[dict[str, Any]] = []
     if getattr(tok, "chat_template", None):
-        questions = draw_questions(decoder, work, n // 2, budget.share("data") / 5, settings, log)
+        questions = draw_questions(decoder, work, n // 2, budget.share("data") * QUESTION_SHARE, settings, log)
         tasks = task_prompts(n - len(questions), settings.seed)
         texts = [("magpie", q) for q in questions] + list(tasks)
         random.Random(settings.seed).shuffle(texts)
@@ -276,14 +289,15 @@ def build_prompts(decoder: Any, work: Work, budget: Budget, settings: Settings, 
 # ----------------------------------------------------------------------------- stage 1: answers
 def answer(decoder: Any, work: Work, budget: Budget, settings: Settings, log: Log) -> None:
     """The prompts answered batch by batch into work/shard-*.pt (ids only), until every batch is
-    answered or the data budget is spent."""
+    answered or the answers' share of the time is spent. The first batch's features are read at
+    once: their cost against its answering's splits the data share between the two stages."""
     from specdec.train.selfdistill import answer_into_shards
 
     prompts = build_prompts(decoder, work, budget, settings, log)
     size = settings.batch_size
     batches = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
     t_stage = time.monotonic()
-    log(f"stage 1 of 3, answers: {len(batches)} batches of up to {size}; {_ends(time.time(), budget.left('data'))}")
+    label = "stage 1 of 3, answers"
 
     def one(bi: int) -> tuple[dict[str, Any], int]:
         t0 = time.monotonic()
@@ -292,62 +306,80 @@ def answer(decoder: Any, work: Work, budget: Budget, settings: Settings, log: Lo
         jobs = [{"prompt": p["ids"], "max_new_tokens": settings.max_new_tokens, "temperature": temperature,
                  "seed": _seed(settings.seed, "answer", i)} for p, i in zip(rows, batches[bi], strict=True)]
         gens = decoder.generate_many(jobs, max_batch=len(jobs))
-        work.spend("data", time.monotonic() - t0)
+        work.spend("answers", time.monotonic() - t0)
+        if bi == 0:
+            work.state["first_batch_s"] = time.monotonic() - t0
         return ({"ids": [list(p["ids"]) + list(g.token_ids) for p, g in zip(rows, gens, strict=True)],
                  "prompt_len": [len(p["ids"]) for p in rows], "category": [p["category"] for p in rows],
                  "temperature": temperature}, sum(len(g.token_ids) for g in gens))
 
-    answer_into_shards(work.root, list(range(len(batches))), time.monotonic() + budget.left("data"),
-                       "stage 1 of 3, answers", one, log)
-    answered = len(work.shards())
-    log(f"answers: {answered} of {len(batches)} batches in {(time.monotonic() - t_stage) / 60:.1f} min this run")
-    if answered == 0:
-        raise SpecdecError("no batch was answered within the time: give it more --minutes")
+    answer_into_shards(work.root, [0], None, label, one, log)  # the first batch whatever the time
+    if "ratio" not in work.state:
+        first = work.shards()[0]
+        seconds = read_features(decoder, work, [first], log)
+        work.state["ratio"] = seconds / max(work.state.get("first_batch_s", seconds), 1e-3)
+        work.save()
+    budget.ratio = float(work.state["ratio"])
+    log(f"{label}: {len(batches)} batches of up to {size}; reading a batch's features costs {budget.ratio:.2f}x "
+        f"answering it, so answers get {budget.share('answers') / 60:.1f} min and features "
+        f"{budget.share('features') / 60:.1f}; answers {_ends(time.time(), budget.left('answers'))}")
+    answer_into_shards(work.root, list(range(len(batches))), time.monotonic() + budget.left("answers"), label, one,
+                       log)
+    log(f"answers: {len(work.shards())} of {len(batches)} batches in {(time.monotonic() - t_stage) / 60:.1f} min "
+        "this run")
     work.finish("data")
 
 
 # ----------------------------------------------------------------------------- stage 2: features
+def add_features(decoder: Any, work: Work, log: Log) -> None:
+    """Every answered shard without features gets them (`read_features`)."""
+    todo = [p for p in work.shards() if "hidden" not in torch.load(p, weights_only=False, mmap=True)]
+    if todo:
+        t0 = time.monotonic()
+        log(f"stage 2 of 3, features: {len(todo)} shards")
+        read_features(decoder, work, todo, log)
+        log(f"features: {len(todo)} shards in {(time.monotonic() - t0) / 60:.1f} min")
+    work.finish("features")
+
+
 @torch.inference_mode()
-def add_features(decoder: Any, work: Work, log: Log, rows: int = 8) -> None:
-    """Each shard without features gets them: the target's own pass (`forward_features` of its
+def read_features(decoder: Any, work: Work, paths: list[Path], log: Log, rows: int = 8) -> float:
+    """The shards `paths` get their features: the target's own pass (`forward_features` of its
     engine, `rows` sequences of similar length at a time) reads each sequence once, keeping its
     last hidden state (after the final norm, what the head reads) at every position but the last.
-    Shards are rewritten one at a time (a resumed run goes on)."""
+    Shards are rewritten one at a time (a resumed run goes on). Returns the seconds spent."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.train.selfdistill import save_atomic
 
-    todo = [p for p in work.shards() if "hidden" not in torch.load(p, weights_only=False, mmap=True)]
-    if todo:
-        lm = decoder.target.rows.view(rows)  # the same weights, caches of its own
-        t_stage = time.monotonic()
-        log(f"stage 2 of 3, features: {len(todo)} shards")
-        with Progress(TextColumn("stage 2 of 3, features"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True)) as bar:
-            task = bar.add_task("", total=len(todo), rate="")
-            for path in todo:
-                t0 = time.monotonic()
-                shard = torch.load(path, weights_only=False)
-                seqs = [list(s) for s in shard["ids"]]
-                hidden: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
-                order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-                for j in range(0, len(order), rows):
-                    part = order[j : j + rows]
-                    feeds = [seqs[i][:-1] for i in part]
-                    slots = list(range(len(part)))
-                    _, h = lm.forward_features(slots, [0] * len(part), feeds, [len(f) for f in feeds], head=False)
-                    for b, i in enumerate(part):
-                        hidden[i] = h[b, : len(feeds[b])].to(torch.bfloat16).clone()
-                    for s in slots:
-                        lm.free(s)
-                shard["hidden"] = hidden
-                save_atomic(shard, path)
-                spent = time.monotonic() - t0
-                work.spend("features", spent)
-                bar.update(task, advance=1, rate=f"{sum(len(s) - 1 for s in seqs) / spent:.0f} positions/s")
-        log(f"features: {len(todo)} shards in {(time.monotonic() - t_stage) / 60:.1f} min")
-    work.finish("features")
+    lm = decoder.target.rows.view(rows)  # the same weights, caches of its own
+    total = 0.0
+    with Progress(TextColumn("stage 2 of 3, features"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("", total=len(paths), rate="")
+        for path in paths:
+            t0 = time.monotonic()
+            shard = torch.load(path, weights_only=False)
+            seqs = [list(s) for s in shard["ids"]]
+            hidden: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
+            order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+            for j in range(0, len(order), rows):
+                part = order[j : j + rows]
+                feeds = [seqs[i][:-1] for i in part]
+                slots = list(range(len(part)))
+                _, h = lm.forward_features(slots, [0] * len(part), feeds, [len(f) for f in feeds], head=False)
+                for b, i in enumerate(part):
+                    hidden[i] = h[b, : len(feeds[b])].to(torch.bfloat16).clone()
+                for slot in slots:
+                    lm.free(slot)
+            shard["hidden"] = hidden
+            save_atomic(shard, path)
+            spent = time.monotonic() - t0
+            total += spent
+            work.spend("features", spent)
+            bar.update(task, advance=1, rate=f"{sum(len(s) - 1 for s in seqs) / spent:.0f} positions/s")
+    return total
 
 
 # ----------------------------------------------------------------------------- stage 3: training
@@ -364,15 +396,15 @@ def steps_per_second(dim: int, rank: int, vocab: int) -> float:
     """Training steps a second on this machine, measured on two steps of random data of the shape."""
     from specdec.prophets.feature import FeatureHead
 
-    head = FeatureHead("eagle", dim, rank, EAGLE["depth"])
+    head = FeatureHead("eagle", dim, rank, DEPTH)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-4)
-    b, sub = EAGLE["batch_size"], torch.randn(vocab, dim).to(torch.bfloat16)
+    b, sub = BATCH, torch.randn(vocab, dim).to(torch.bfloat16)
     h, e = torch.randn(b, dim), torch.randn(b, dim)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         g, loss = h, torch.zeros(())
-        for _ in range(EAGLE["unroll"]):
+        for _ in range(UNROLL):
             g = head.step(g, e)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = loss + (g @ sub.T).float().logsumexp(-1).mean()
@@ -412,7 +444,7 @@ def train(decoder: Any, work: Work, budget: Budget, out: Path, target: str, key:
 
     embed, head, softcap = training_tensors(decoder)
     vocab_size, dim = head.shape
-    data = load_shards(work.root, EAGLE["unroll"], vocab_size=vocab_size)
+    data = load_shards(work.root, UNROLL, vocab_size=vocab_size)
     if len(data.starts_train) == 0 or len(data.starts_heldout) == 0:
         raise SpecdecError(f"too few answers to train on ({len(data.starts_train)} training positions, "
                            f"{len(data.starts_heldout)} held out): give it more --minutes or --prompts")
@@ -466,14 +498,14 @@ def run(target: str, minutes: float, out: Path | None = None, settings: Settings
     key = target_key(target)
     out = out or default_out(key)
     work = Work(cache_dir() / "distill" / key)
-    budget = Budget(minutes, work.state["spent"])
+    budget = Budget(minutes, work.state["spent"], work.state.get("ratio"))
     if work.done("train") and (out / "prophet.json").is_file():
         log(f"already trained for these weights: {out} (delete {work.root} to start again)")
         return out, json.loads(evaluation_path(out).read_text())
+    decoder = load_lean(target)
     work.state.update(target=target, minutes=minutes)
     work.save()
     log(f"distill {target} (weights {key}): {budget.describe()}; work folder {work.root}")
-    decoder = load_lean(target)
     if not work.done("data"):
         answer(decoder, work, budget, settings, log)
     if not work.done("features"):

@@ -138,6 +138,13 @@ def test_a_rerun_after_an_interruption_redoes_no_finished_stage(models, cache, m
     assert distill(target, "--check-samples", "0") == 0
     assert "already trained for these weights" in capsys.readouterr().err
 
+    prompt = [0, *first["ids"][0][1:6]]  # an opening of its own text, past its sliding window of 8 below
+    plain = load(target, draft="none").generate(prompt, max_new_tokens=30, temperature=0)
+    for draft in ("default", str(work.parent.parent / "prophets" / work.name / "eagle")):
+        out = load(target, draft=draft).generate(prompt, max_new_tokens=30, temperature=0)
+        assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0
+
 
 @pytest.mark.parametrize("case", ["missing", "transformers-path", "no-target", "config", "zero-minutes"])
 def test_bad_targets_and_settings_get_one_line_and_exit_code_2(models, cache, capsys, tmp_path, case):

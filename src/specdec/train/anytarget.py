@@ -202,17 +202,17 @@ def _norm(text: str) -> str:
 
 def draw_questions(decoder: Any, work: Work, want: int, seconds: float, settings: Settings, log: Log) -> list[str]:
     """Up to `want` distinct questions the target writes from an empty user turn (T=1, top-p 0.95),
-    within `seconds`; kept in work/questions.json as they come (a resumed run goes on)."""
+    within `seconds` (counted across resumed runs); kept in work/questions.json as they come."""
     from specdec.train.magpie import good_question
 
     path = work.root / "questions.json"
-    got: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"questions": [], "sampled": 0}
+    got: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"questions": [], "sampled": 0,
+                                                                               "seconds": 0.0}
     prefix, ends, end_text = magpie_template(decoder.tokenizer)
     ends |= set(decoder.eos_token_ids)
     seen = {_norm(q) for q in got["questions"]}
-    t0 = time.monotonic()
-    while len(got["questions"]) < want and time.monotonic() - t0 < seconds and got["sampled"] < 20 * max(want, 1):
-        n = settings.batch_size
+    while len(got["questions"]) < want and got["seconds"] < seconds and got["sampled"] < 20 * max(want, 1):
+        t0, n = time.monotonic(), settings.batch_size
         jobs = [{"prompt": prefix, "max_new_tokens": QUESTION_TOKENS, "temperature": 1.0, "top_p": 0.95,
                  "seed": _seed(settings.seed, "question", got["sampled"] + i)} for i in range(n)]
         for g in decoder.generate_many(jobs, max_batch=n):
@@ -228,14 +228,16 @@ def draw_questions(decoder: Any, work: Work, want: int, seconds: float, settings
                 seen.add(_norm(text))
                 got["questions"].append(text)
         got["sampled"] += n
+        got["seconds"] += time.monotonic() - t0
         _write_json(path, got)
+        work.spend("answers", time.monotonic() - t0)
         log(f"questions: {len(got['questions'])} of {want} ({got['sampled']} sampled)")
-    work.spend("answers", time.monotonic() - t0)
     return list(got["questions"][:want])
 
 
-def own_openings(decoder: Any, work: Work, want: int, settings: Settings) -> list[list[int]]:
-    """A base model's openings of its own text: sampled from its first token (T=1), at least 8 tokens."""
+def own_openings(decoder: Any, work: Work, want: int, seconds: float, settings: Settings) -> list[list[int]]:
+    """Up to `want` openings of a base model's own text within `seconds` (at least one batch):
+    OPENING_TOKENS tokens sampled from its first token at T=1 (one that ends sooner is dropped)."""
     t0 = time.monotonic()
     tok = decoder.tokenizer
     start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -244,7 +246,7 @@ def own_openings(decoder: Any, work: Work, want: int, settings: Settings) -> lis
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     sampled = 0
-    while len(out) < want and sampled < 4 * want:
+    while len(out) < want and sampled < 4 * want and (not sampled or time.monotonic() - t0 < seconds):
         n = min(settings.batch_size, 2 * (want - len(out)))
         jobs = [{"prompt": [int(start)], "max_new_tokens": OPENING_TOKENS, "temperature": 1.0,
                  "seed": _seed(settings.seed, "opening", sampled + i)} for i in range(n)]
@@ -278,7 +280,8 @@ def build_prompts(decoder: Any, work: Work, budget: Budget, settings: Settings, 
                    for c, t in texts]
         log(f"prompts: {len(questions)} questions the target wrote, {len(tasks)} task prompts")
     else:
-        prompts = [{"category": "own-text", "ids": ids} for ids in own_openings(decoder, work, n, settings)]
+        openings = own_openings(decoder, work, n, budget.share("data") * QUESTION_SHARE, settings)
+        prompts = [{"category": "own-text", "ids": ids} for ids in openings]
         log(f"prompts: {len(prompts)} openings of the target's own text (a base model: no chat template)")
     if not prompts:
         raise SpecdecError("the target wrote no usable prompts: give it more --minutes")

@@ -394,9 +394,9 @@ def _distill_any(args: argparse.Namespace) -> int:
         raise SpecdecError("--minutes trains a prophet for --target with no config file: drop --config (or --minutes)")
     if not args.target:
         raise SpecdecError("--minutes needs --target: the model to train a prophet for")
-    if args.prompts is not None and args.prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+    if (args.prompts is not None and args.prompts < 1) or args.batch_size < 1 or args.max_new_tokens < 1:
         raise SpecdecError("--prompts, --batch-size and --max-new-tokens must be >= 1")
-    if args.max_steps is not None and args.max_steps < 1 or args.check_samples < 0:
+    if (args.max_steps is not None and args.max_steps < 1) or args.check_samples < 0:
         raise SpecdecError("--max-steps must be >= 1 and --check-samples >= 0")
     settings = Settings(prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                         max_steps=args.max_steps)

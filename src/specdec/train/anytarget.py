@@ -493,8 +493,8 @@ def run(target: str, minutes: float, out: Path | None = None, settings: Settings
     """The three stages for `target` within `minutes` (resuming its work folder); returns the
     prophet's folder and its report (held-out agreement under ["training"]["heldout_agreement"])."""
     settings = settings or Settings()
-    if not minutes > 0:
-        raise SpecdecError(f"--minutes must be > 0, got {minutes:g}")
+    if not 0 < minutes < float("inf"):
+        raise SpecdecError(f"--minutes must be a finite number > 0, got {minutes:g}")
     if is_alias(target) and out is None:
         raise SpecdecError("smollm2 ships its own eagle (models/smollm2-eagle), which load('smollm2') uses by "
                            "default: pass --out DIR to train another beside it")

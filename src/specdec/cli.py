@@ -359,11 +359,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specdec.defaults import distill_target, shipped
+    from specdec.defaults import TRAINED_PROPHET, distill_target, shipped
     from specdec.train.pipeline import distill, load_config
     from specdec.wiring import check_model_dir
 
-    cfg = load_config(Path(shipped(args.config)))
+    if args.minutes is not None:
+        return _distill_any(args)
+    cfg = load_config(Path(shipped(args.config or "configs/bundled.toml")))
     if "paths" in cfg:  # prophets for a real target (configs/smollm2.toml): self-distillation + feature heads
         from specdec.train.smollm2 import run
 
@@ -378,10 +380,37 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not (work / "train.bin").is_file():
         raise SpecdecError(f"--work-dir {work} holds no prepared corpus (train.bin): run `specdec train --work-dir "
                            f"{work}` first")
-    distill(cfg, work, Path(target), Path(args.out),
+    distill(cfg, work, Path(target), Path(args.out or TRAINED_PROPHET),
             data_out_dir=Path(args.data_out) if args.data_out else None, data_minutes=args.data_minutes,
             distill_minutes=args.distill_minutes, max_steps=args.max_steps)
     return 0
+
+
+def _distill_any(args: argparse.Namespace) -> int:
+    """`specdec distill --target X --minutes N` (specdec.train.anytarget), then `specdec check` on the result."""
+    from specdec.train.anytarget import Settings, agreement_line, run
+
+    if args.config is not None:
+        raise SpecdecError("--minutes trains a prophet for --target with no config file: drop --config (or --minutes)")
+    if not args.target:
+        raise SpecdecError("--minutes needs --target: the model to train a prophet for")
+    if (args.prompts is not None and args.prompts < 1) or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise SpecdecError("--prompts, --batch-size and --max-new-tokens must be >= 1")
+    if (args.max_steps is not None and args.max_steps < 1) or args.check_samples < 0:
+        raise SpecdecError("--max-steps must be >= 1 and --check-samples >= 0")
+    settings = Settings(prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                        max_steps=args.max_steps)
+    err = sys.stderr
+    out, meta = run(args.target, args.minutes, Path(args.out) if args.out else None, settings,
+                    log=lambda line: print(line, file=err, flush=True))
+    print(f"prophet: {out}")
+    print(agreement_line(meta))
+    if args.check_samples == 0:
+        return 0
+    print(f"specdec check --target {args.target} --draft {out} --temperature 1 --samples {args.check_samples}:")
+    check = build_parser().parse_args(["check", "--target", args.target, "--draft", str(out), "--temperature", "1",
+                                       "--samples", str(args.check_samples)])
+    return cmd_check(check)
 
 
 def cmd_index(args: argparse.Namespace) -> int:

@@ -163,20 +163,34 @@ def build_parser(handlers: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     t.set_defaults(func=handlers["train"])
 
-    d = sub.add_parser("distill", help="train the prophet on the data, then distill it from a target")
-    d.add_argument("--config", default="configs/bundled.toml",
-                   help="a config file (configs/NAME.toml: a shipped one, unless that path exists here)")
+    d = sub.add_parser("distill", help="an eagle prophet for any lean-path model (--target X --minutes N), or a "
+                                       "config's prophets (--config)")
+    d.add_argument("--config", default=None,
+                   help="a config file (configs/NAME.toml: a shipped one, unless that path exists here; default: "
+                        "configs/bundled.toml, unless --minutes is given)")
+    d.add_argument("--minutes", type=float, default=None,
+                   help="no config: train an eagle prophet for --target (any Llama, Mistral, Qwen2/3, Gemma 2/3 or "
+                        "Phi-3 model: directory, cached hub id or GGUF file) in this many minutes, from data the "
+                        "target writes itself; resumable (run it again to go on), written where load(TARGET) finds it")
     d.add_argument("--work-dir", default=None, help="intermediate state (default: the config's, or .cache/bundled)")
     d.add_argument("--models-dir", default=None, help="where a real target's prophets are exported (config: models)")
     d.add_argument("--only", nargs="*", default=None, help="only these prophets (eagle, medusa, kangaroo)")
     d.add_argument("--target", default=None,
-                   help=f"the target to distill from (default: {TRAINED_TARGET}, `specdec train`'s, where it exists, "
-                   "else the shipped one)")
-    d.add_argument("--out", default=TRAINED_PROPHET, help="where the prophet is written (under this directory)")
+                   help=f"the target to distill from (with --minutes: required; else default {TRAINED_TARGET}, "
+                   "`specdec train`'s, where it exists, else the shipped one)")
+    d.add_argument("--out", default=None,
+                   help=f"where the prophet is written (default: {TRAINED_PROPHET}; with --minutes the user cache, "
+                        "keyed by the target's weights, where load(TARGET) finds it)")
     d.add_argument("--data-out", default=None, help="also save the data-only prophet here")
     d.add_argument("--data-minutes", type=float, default=None)
     d.add_argument("--distill-minutes", type=float, default=None)
     d.add_argument("--max-steps", type=int, default=None)
+    d.add_argument("--prompts", type=int, default=None,
+                   help="with --minutes: answer at most this many prompts (default: as many as the time allows)")
+    d.add_argument("--batch-size", type=int, default=32, help="with --minutes: prompts answered together")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="with --minutes: the longest answer")
+    d.add_argument("--check-samples", type=int, default=600,
+                   help="with --minutes: `specdec check --samples` run on the result at the end (0: no check)")
     d.set_defaults(func=handlers["distill"])
 
     ix = sub.add_parser("index", help="build the retrieval datastore (suffix array over the training corpus)")

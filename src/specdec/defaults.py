@@ -171,18 +171,93 @@ def default_prophet_for(target: str) -> str:
     for smollm2 prompt lookup where the context repeats and its EAGLE-style feature prophet
     elsewhere ("ngram+models/smollm2-eagle", multi="first": 1.94x greedy on its chat
     benchmark against 1.59x for prompt lookup alone, and batched 1.29-1.33x at 8 rows against
-    1.11x, see CHANGELOG.md, 2026-11-30). Any other model has no trained prophet, and drafts
-    from the request's own context with no weights (DEFAULT_LOOKUP): prompt lookup and the
-    suffix index over the context, the one with the better record in the request drafting
-    (`default_multi_for`); where the context does not repeat they propose nothing and every
-    step is a plain one, and where the measured step costs say a draft does not pay, auto's K
-    leaves it out."""
+    1.11x, see CHANGELOG.md, 2026-11-30). Any other model: the eagle prophet `specdec distill
+    --target X --minutes N` trained for its weights (`trained_prophet`: in the user cache, found
+    by the hash of its weights file(s), wherever they lie), after prompt lookup as for smollm2;
+    else it drafts from the request's own context with no weights (DEFAULT_LOOKUP): prompt
+    lookup and the suffix index over the context, the one with the better record in the
+    request drafting (`default_multi_for`); where the context does not repeat they propose
+    nothing and every step is a plain one, and where the measured step costs say a draft does
+    not pay, auto's K leaves it out."""
     if _is_bundled(target):
         return bundled_prophet()
     if is_alias(target):
         eagle = models_dir() / "smollm2-eagle"
         return f"ngram+{eagle}" if (eagle / "prophet.json").is_file() else "ngram"
-    return DEFAULT_LOOKUP
+    trained = trained_prophet(target)
+    return f"ngram+{trained}" if trained is not None else DEFAULT_LOOKUP
+
+
+def prophets_dir() -> Path:
+    """Where `specdec distill --target X` writes the prophets it trains: cache_dir()/prophets/<key>/eagle,
+    key = `weights_key` of X's weights files."""
+    return cache_dir() / "prophets"
+
+
+def trained_prophet(target: str) -> Path | None:
+    """The eagle prophet trained for `target`'s weights in the user cache, or None. Nothing is read
+    (no weights hashed) while no prophet has been trained at all."""
+    root = prophets_dir()
+    if not root.is_dir() or not any(p.is_dir() for p in root.iterdir()):
+        return None
+    files = weights_files(target)
+    if not files:
+        return None
+    path = root / weights_key(files) / "eagle"
+    return path if (path / "prophet.json").is_file() else None
+
+
+def weights_files(target: str) -> list[Path]:
+    """The files holding a target's weights: a GGUF file itself; a model directory's safetensors
+    (else pytorch_model*.bin) files; a Hugging Face id's, from the local hub cache only (no
+    download); [] where there are none (the packaged smollm2 is `specdec.gguf.smollm2_gguf`)."""
+    path = Path(resolve_bundled(target)).expanduser()
+    if path.is_file():
+        return [path] if path.suffix.lower() == ".gguf" else []
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(target, local_files_only=True))
+        except Exception:  # not a hub id, or not in the local cache: nothing to key
+            return []
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+
+
+def weights_key(files: list[Path]) -> str:
+    """A key for a model's weights: the SHA-256 of its files' contents (their names and places
+    play no part), each file's digest kept in cache_dir()/prophets/digests.json against its
+    resolved path, size and modification time, so a file is read once."""
+    import hashlib
+    import json
+
+    memo_path = prophets_dir() / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    digests, changed = [], False
+    for f in files:
+        real, stat = f.resolve(), f.stat()
+        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+        entry = memo.get(str(real))
+        if not entry or entry.get("stamp") != stamp:
+            h = hashlib.sha256()
+            with open(real, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+            entry = memo[str(real)] = {"stamp": stamp, "sha256": h.hexdigest()}
+            changed = True
+        digests.append(entry["sha256"])
+    try:
+        if changed:
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(memo, indent=0) + "\n")
+            os.replace(tmp, memo_path)
+    except OSError:  # a read-only cache: the digests are computed again next time
+        pass
+    return hashlib.sha256("".join(sorted(digests)).encode()).hexdigest()[:16]
 
 
 def default_draft_tokens_for(target: str, draft: str) -> int:

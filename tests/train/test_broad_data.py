@@ -120,7 +120,7 @@ def test_more_grows_the_prompt_list_and_answers_only_the_new_prompts(tmp_path):
     without case and punctuation), each marked with its seed, leaves the old prompts and their
     shards as they were, answers the new batches, and changes nothing when rerun; the seeds
     survive an export and an ids-only rebuild, so a rebuilt folder can grow again."""
-    from specdec.train.magpie import _key, export_ids, features_from_ids, generate
+    from specdec.train.magpie import export_ids, features_from_ids, generate, prompt_key
 
     out = tmp_path / "broad"
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_more_grows_the_prompt_list_and_answers_only_the_new_prompts(tmp_path):
     assert grown[: len(old)] == old and len(grown) > len(old)
     fresh = grown[len(old):]
     assert all(q["seed"] == 2 for q in fresh)
-    assert not {_key(q["text"]) for q in fresh} & {_key(q["text"]) for q in old}
+    assert not {prompt_key(q["text"]) for q in fresh} & {prompt_key(q["text"]) for q in old}
     assert [s.stat().st_mtime_ns for s in shards] == stamps  # the old batches are not answered again
     now = sorted(out.glob("shard-*.pt"))
     assert len(now) == -(-len(grown) // 4) and now[: len(shards)] == shards

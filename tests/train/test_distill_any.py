@@ -189,17 +189,19 @@ def test_training_reads_what_the_serving_prophet_and_the_target_read(tmp_path):
 
     ids = decoder.prompt_ids("The sea and the sky")
     logits, hidden = decoder.target.rows.view(1).forward_features([0], [0], [ids], [len(ids)])
-    class Stored:
-        def __init__(self, h):
-            self.hidden, self.p_ids, self.p_probs = h.to(torch.bfloat16), None, None
+    from specdec.train.features import FeatureData
+
+    def Stored(h):  # noqa: N802 (features as the trainer holds them; only `hidden` is read here)
+        empty = torch.zeros(0, dtype=torch.long)
+        return FeatureData(h.to(torch.bfloat16), empty, empty, empty, empty, 0)
 
     stored = Stored(hidden[0])
-    anytarget.add_targets(stored, head, softcap, tmp_path / "targets.pt")
+    stored.targets_from_cache(tmp_path / "targets.pt", head, softcap)
     p = torch.softmax(logits[0], -1)  # the target's own distribution, soft-cap included
     assert torch.equal(stored.p_ids[:, 0].long(), p.argmax(-1))
     assert torch.allclose(stored.p_probs[:, 0], p.max(-1).values, atol=0.02)  # the features stored in bf16
     uncapped = Stored(hidden[0])
-    anytarget.add_targets(uncapped, head, None, tmp_path / "uncapped.pt")
+    uncapped.targets_from_cache(tmp_path / "uncapped.pt", head, None)
     assert not torch.allclose(uncapped.p_probs[:, 0], p.max(-1).values, atol=0.02)  # the soft-cap matters here
 
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,21 +195,17 @@ def magpie_template(tokenizer: Any) -> tuple[list[int], set[int], str]:
     return list(prefix), ends, after.strip().split("\n")[0]
 
 
-def _norm(text: str) -> str:
-    return re.sub(r"\W+", " ", text.lower()).strip()
-
-
 def draw_questions(decoder: Any, work: Work, want: int, seconds: float, settings: Settings, log: Log) -> list[str]:
     """Up to `want` distinct questions the target writes from an empty user turn (T=1, top-p 0.95),
     within `seconds` (counted across resumed runs); kept in work/questions.json as they come."""
-    from specdec.train.magpie import good_question
+    from specdec.train.magpie import good_question, prompt_key
 
     path = work.root / "questions.json"
     got: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"questions": [], "sampled": 0,
                                                                                "seconds": 0.0}
     prefix, ends, end_text = magpie_template(decoder.tokenizer)
     ends |= set(decoder.eos_token_ids)
-    seen = {_norm(q) for q in got["questions"]}
+    seen = {prompt_key(q) for q in got["questions"]}
     while len(got["questions"]) < want and got["seconds"] < seconds and got["sampled"] < 20 * max(want, 1):
         t0, n = time.monotonic(), settings.batch_size
         jobs = [{"prompt": prefix, "max_new_tokens": QUESTION_TOKENS, "temperature": 1.0, "top_p": 0.95,
@@ -224,8 +219,8 @@ def draw_questions(decoder: Any, work: Work, want: int, seconds: float, settings
                     continue
                 text = text.split(end_text, 1)[0]
             text = text.strip()
-            if good_question(text) and _norm(text) not in seen:
-                seen.add(_norm(text))
+            if good_question(text) and prompt_key(text) not in seen:
+                seen.add(prompt_key(text))
                 got["questions"].append(text)
         got["sampled"] += n
         got["seconds"] += time.monotonic() - t0
@@ -418,28 +413,6 @@ def steps_per_second(dim: int, rank: int, vocab: int) -> float:
     return 1.0 / max(min(times[1:]), 1e-6)
 
 
-@torch.no_grad()
-def add_targets(data: Any, head: torch.Tensor, softcap: float | None, cache: Path, k: int = 16) -> None:
-    """The target's top-k next-token distribution at every stored position, from the stored
-    features through its head and its final soft-cap (as its own logits), cached in `cache`."""
-    if cache.exists():
-        saved = torch.load(cache, weights_only=True)
-        if saved["n"] == len(data.hidden):
-            data.p_ids, data.p_probs = saved["ids"], saved["probs"]
-            return
-    w = head.to(torch.bfloat16)
-    ids, probs = [], []
-    for i in range(0, len(data.hidden), 4096):
-        logits = (data.hidden[i : i + 4096] @ w.T).float()
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        top = logits.topk(k, dim=-1)
-        ids.append(top.indices.to(torch.int32))
-        probs.append(torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True)))
-    data.p_ids, data.p_probs = torch.cat(ids), torch.cat(probs)
-    torch.save({"n": len(data.hidden), "ids": data.p_ids, "probs": data.p_probs}, cache)
-
-
 def train(decoder: Any, work: Work, budget: Budget, out: Path, target: str, key: str, settings: Settings,
           log: Log) -> dict[str, Any]:
     """The eagle head trained on the shards (resuming work/eagle.ckpt) for the time left, exported to `out`."""
@@ -462,7 +435,7 @@ def train(decoder: Any, work: Work, budget: Budget, out: Path, target: str, key:
     log(f"stage 3 of 3, training: {len(data.starts_train):,} training positions, {len(data.starts_heldout):,} held "
         f"out; draft vocabulary {len(vocab)} ids covering {coverage:.4f} of answer tokens; rank {cfg['rank']}, "
         f"~{cfg['est_steps']:,} steps; {_ends(time.time(), seconds)}")
-    add_targets(data, head, softcap, work.root / "targets.pt")
+    data.targets_from_cache(work.root / "targets.pt", head, softcap)
     t0 = time.monotonic()
     trained, info = train_head("eagle", data, embed, head, vocab, cfg, work.root / "eagle.ckpt", total / 60,
                                settings.max_steps, log=log)

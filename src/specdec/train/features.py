@@ -42,26 +42,29 @@ class FeatureData:
     early: torch.Tensor | None = None  # (T, D) bf16: the target's early-exit features (kangaroo)
 
     @torch.no_grad()
-    def add_targets(self, lm_head: torch.Tensor, k: int = 16, chunk: int = 4096) -> None:
+    def add_targets(self, lm_head: torch.Tensor, k: int = 16, chunk: int = 4096, softcap: float | None = None) -> None:
         """The target's top-k next-token distribution at every position, computed once
-        from the stored features (the head over the full vocabulary, in bf16)."""
+        from the stored features (the head over the full vocabulary, in bf16; then the
+        target's final logit soft-cap where it has one, as its own logits)."""
         w = lm_head.to(torch.bfloat16)
         ids, probs = [], []
         for i in range(0, len(self.hidden), chunk):
             logits = (self.hidden[i : i + chunk] @ w.T).float()
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
             top = logits.topk(k, dim=-1)  # the largest logits are the largest probabilities
             ids.append(top.indices.to(torch.int32))
             probs.append(torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True)))
         self.p_ids, self.p_probs = torch.cat(ids), torch.cat(probs)
 
-    def targets_from_cache(self, path: Path, lm_head: torch.Tensor) -> None:
+    def targets_from_cache(self, path: Path, lm_head: torch.Tensor, softcap: float | None = None) -> None:
         """add_targets, saved beside the shards and reused by the next prophet's training."""
         if path.exists():
             saved = torch.load(path, weights_only=True)
             if saved["n"] == len(self.hidden):
                 self.p_ids, self.p_probs = saved["ids"], saved["probs"]
                 return
-        self.add_targets(lm_head)
+        self.add_targets(lm_head, softcap=softcap)
         torch.save({"n": len(self.hidden), "ids": self.p_ids, "probs": self.p_probs}, path)
 
 

@@ -175,7 +175,7 @@ def magpie_questions(lm: BatchLlama, tokenizer: Any, n: int, batch: int, gen: to
             if not toks or toks[-1] != end:
                 continue  # no closing token: cut off or rambling
             text = tokenizer.decode(toks[:-1]).strip()
-            key = _key(text)
+            key = prompt_key(text)
             if good_question(text) and key not in seen:
                 seen.add(key)
                 found.append(text)
@@ -195,7 +195,8 @@ def build_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_t
     return prompts
 
 
-def _key(text: str) -> str:
+def prompt_key(text: str) -> str:
+    """A prompt as deduplication compares it: lower case, runs of non-word characters as one space."""
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
@@ -212,9 +213,9 @@ def extend_prompts(lm: BatchLlama, tokenizer: Any, work: Path, n_magpie: int, n_
     old = torch.load(path, weights_only=False)
     if any(q.get("seed") == seed for q in old):
         return old  # this seed's prompts are there (a resumed run)
-    seen = {_key(q["text"]) for q in old}
+    seen = {prompt_key(q["text"]) for q in old}
     fresh = [{**q, "seed": seed} for q in new_prompts(lm, tokenizer, n_magpie, n_tasks, seed, log)
-             if _key(q["text"]) not in seen]
+             if prompt_key(q["text"]) not in seen]
     prompts = old + fresh
     log(f"prompts: {len(fresh)} new ones after {len(old)}")
     save_atomic(prompts, path)

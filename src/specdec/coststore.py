@@ -53,7 +53,8 @@ def prophet_key(prophet: Any) -> str:
 
 def costs_key(decoder: Any) -> dict[str, Any]:
     """What a decoder's step costs depend on: the models, prophets, K, precision, layer loop,
-    KV cache dtype, kernels, device and machine. A lean float32 target whose products run on
+    KV cache dtype, kernels (their choice and their build: a changed kernel source measures
+    again), device and machine. A lean float32 target whose products run on
     specdec's float32 kernel (`BatchLlama.f32_rows_exact`) names them too (`f32_products`)."""
     target = decoder.target
     model = getattr(target, "model", None)
@@ -61,7 +62,8 @@ def costs_key(decoder: Any) -> dict[str, Any]:
     loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
     key = {"version": KEY_VERSION, "target": target.name, "target_class": type(target).__name__,
            "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(target, "int4", False)),
-           "int4_kernel": str(getattr(target, "int4_kernel", "")), "layer_loop": loop,
+           "int4_kernel": str(getattr(target, "int4_kernel", "")), "kernel_build": qgemm.build_name(),
+           "layer_loop": loop,
            "kv_dtype": str(getattr(rows, "kv_dtype", "")),
            "device": str(target.device),
            "prophets": [prophet_key(d) for d in decoder.prophets], "multi": decoder.multi,

@@ -139,10 +139,28 @@ def _build() -> ModuleType:
     name = build_name()
     directory = cache_dir() / "kernels" / name
     directory.mkdir(parents=True, exist_ok=True)
-    with _quiet():
+    with _quiet(), _building(directory):
         module = cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=list(CFLAGS),
                                     extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
     return module  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _building(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads the extension in `directory`, under a lock the system
+    lets go of when its holder dies. Torch's builder marks a build with a file `lock` and waits, with
+    no end, while one is there; a build that was killed (Ctrl-C during the first run's compile) left
+    it behind and every later process hung. Holding this lock, no other process is building, so a
+    `lock` file found is such a leftover and goes."""
+    import fcntl
+
+    with open(directory / "specdec.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _load() -> ModuleType | None:

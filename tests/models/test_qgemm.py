@@ -240,3 +240,20 @@ def test_build_is_cached_under_specdec_cache() -> None:
     assert qgemm.why_unavailable() is None
     assert qgemm.build_dir().name == qgemm.build_name()
     assert qgemm.build_dir().is_dir()
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_process() -> None:
+    """Torch's builder waits with no end while a `lock` file is in the build folder; one left by a
+    killed build (Ctrl-C during the first compile) is removed by the next process, which loads."""
+    import subprocess
+    import sys
+
+    assert qgemm.available()
+    stale = qgemm.build_dir() / "lock"
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", "from specdec import qgemm; print(qgemm.available())"],
+                              capture_output=True, text=True, timeout=240)
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]

@@ -21,8 +21,8 @@
 //   position order), and y = T + M.
 // Every output is a lane of its own (lanes across weight rows), so rows are invariant by construction.
 // Two pairs' codes for 16 rows are decoded at once (one load widening bytes to words, one bit operation a pair and
-// a shift) and applied to every row of a tile of up to 8 activation rows; with more rows, a panel's codes are
-// decoded once into a buffer for all of its tiles.
+// a shift) and applied to every row of a tile of up to 8 activation rows; with more rows, every tile reads a pair of
+// panels while it is in the L1 cache.
 // Only built where the compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere `impls16` is
 // empty and the kernel is not offered.
 
@@ -98,7 +98,7 @@ inline __m512 scales(const uint8_t* p) {  // 16 fp16 -> float32 (exact)
 // over the odd pairs, and y = y + d_b (E + O) (from 0; a multiply, then an add). No minimums (Q8_0 has none).
 // A pair's codes for 16 rows become bfloat16 words by widening to int32, converting to float32 (exact) and packing
 // two vectors to bfloat16 (exact): five instructions for 32 codes, decoded once a tile of up to 8 activation rows
-// (more rows: once a panel, into a buffer for all of its tiles), as for Q4_1.
+// (more rows: once a tile, a pair of panels at a time), as for Q4_1.
 
 // 32 int8 codes (row r's pair at bytes 2r, 2r + 1) -> 32 bfloat16 words in the same order (16 lanes of a pair).
 inline __m512i codes8(const uint8_t* p) {
@@ -175,11 +175,9 @@ inline void finish(const Args& a, const uint8_t* const* p, int64_t r0, int64_t n
 }
 
 // MT (<= FEW) activation rows from r0 against NV panels from panel g: each two pairs' codes decoded once, in
-// registers (DECODED: read from `decoded`, panel g's codes already decoded, pair i of block b at b * 16 + i), with
-// the tile's partial sums E, O and running sums T.
-template <class F, int MT, int NV, bool DECODED = false>
-void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr) {
-  static_assert(!DECODED || NV == 1, "decoded codes: one panel at a time");
+// registers, with the tile's partial sums E, O and running sums T.
+template <class F, int MT, int NV>
+void few(const Args& a, int64_t r0, int64_t g) {
   constexpr int64_t PB = F::BLOCK;
   const uint8_t* p[NV];
   for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PB;
@@ -188,7 +186,7 @@ void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr)
   for (int r = 0; r < MT; ++r)
     for (int v = 0; v < NV; ++v) T[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
-    if (!DECODED) {  // a hint: past the weights' end it reads nothing and never faults
+    {  // a hint: past the weights' end it reads nothing and never faults
       const int64_t ahead = b + PREFETCH_BLOCKS;
       for (int v = 0; v < NV; ++v)
         prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
@@ -199,14 +197,7 @@ void few(const Args& a, int64_t r0, int64_t g, const __m512i* decoded = nullptr)
     const uint32_t* xb = a.x + r0 * K2 + b * (QK / 2);
     for (int i = 0; i < QK / 2; i += 2) {
       __m512i qe[NV], qo[NV];
-      for (int v = 0; v < NV; ++v) {
-        if (DECODED) {
-          qe[v] = _mm512_loadu_si512(decoded + b * 16 + i);
-          qo[v] = _mm512_loadu_si512(decoded + b * 16 + i + 1);
-        } else {
-          F::pairs(p[v] + b * PB, i, qe[v], qo[v]);
-        }
-      }
+      for (int v = 0; v < NV; ++v) F::pairs(p[v] + b * PB, i, qe[v], qo[v]);
       for (int r = 0; r < MT; ++r) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int>(xb[r * K2 + i]));
         for (int v = 0; v < NV; ++v) E[r][v] = dot(E[r][v], xv, qe[v]);
@@ -237,36 +228,27 @@ inline void few_panels(const Args& a, int64_t r0, int64_t g0, int64_t g1) {
   for (; g < g1; ++g) few<F, MT, 1>(a, r0, g);
 }
 
-// Panels [g0, g1) for MT (1..FEW) rows from r0. NV: as many panels at a time as keep the tile's 3 MT NV sums and
-// NV codes in 32 registers.
+// Panels [g0, g1) for MT (1..FEW) rows from r0, NV panels at a time: four for one or two rows, else two. With one
+// panel at a time, a tile of 4-8 rows ran at about half the speed of two (a 2-core AMD EPYC, Zen 4: 5 rows of
+// SmolLM2's gate/up product 123 us against 60; the 3 sums a row and panel exceed the 32 registers for 5-8 rows
+// with two, and the spills cost less than the lost overlap).
 template <class F>
 void tile(const Args& a, int64_t r0, int mt, int64_t g0, int64_t g1) {
   with_rows<FEW>(mt, [&](auto rows) {
     constexpr int MT = decltype(rows)::value;
-    few_panels<F, MT, (MT <= 2 ? 4 : (MT <= 4 ? 2 : 1))>(a, r0, g0, g1);
+    few_panels<F, MT, (MT <= 2 ? 4 : 2)>(a, r0, g0, g1);
   });
 }
 
-// MT (1..FEW) rows from r0 against panel g, its codes decoded in `decoded`.
-template <class F>
-void decoded_tile(const Args& a, int64_t r0, int mt, int64_t g, const __m512i* decoded) {
-  with_rows<FEW>(mt, [&](auto rows) { few<F, decltype(rows)::value, 1, true>(a, r0, g, decoded); });
-}
-
-// Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each panel's codes
-// decoded once (K/32 x 16 vectors, in L1/L2) for all of its tiles.
+// Panels [g0, g1) for all M rows: up to FEW rows in one tile; more in tiles of near-equal heights, each pair of
+// panels against every tile while its blocks are in the L1 cache (their codes decoded again for each tile).
 template <class F>
 void panels(const Args& a, int64_t M, int64_t g0, int64_t g1) {
   const auto tiles = row_tiles(M, FEW, FEW);
   if (tiles.size() == 1) return tile<F>(a, 0, tiles[0].second, g0, g1);
-  std::vector<__m512i> decoded(static_cast<size_t>(a.KB * (QK / 2)));
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* p = a.w + g * a.KB * F::BLOCK;
-    for (int64_t b = 0; b < a.KB; ++b) {
-      prefetch_block<F::BLOCK>(p + (b + PREFETCH_BLOCKS) * F::BLOCK);  // past the panel's end: the next panel's
-      for (int i = 0; i < QK / 2; i += 2) F::pairs(p + b * F::BLOCK, i, decoded[b * 16 + i], decoded[b * 16 + i + 1]);
-    }
-    for (const auto& t : tiles) decoded_tile<F>(a, t.first, t.second, g, decoded.data());
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int64_t g2 = std::min(g1, g + 2);
+    for (const auto& t : tiles) tile<F>(a, t.first, t.second, g, g2);
   }
 }
 

@@ -6,9 +6,10 @@ import numpy as np
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4,
-                    kv: int = 2, ff: int = 64, seed: int = 0) -> Path:
+                    kv: int = 2, ff: int = 64, seed: int = 0, quant: str | None = None) -> Path:
     """A random Llama-architecture model (GQA, tied embeddings: no output.weight) with a
-    small byte-level BPE tokenizer, all tensors in float32."""
+    small byte-level BPE tokenizer, all tensors in float32, or the layers' matrices in `quant`
+    (a format gguf-py quantizes: "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -34,7 +35,14 @@ def write_tiny_gguf(path: Path, arch: str = "llama", vocab: int = 64, dim: int =
     w.add_eos_token_id(2)
 
     def tensor(name: str, shape: tuple[int, ...]) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+        data = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if quant is None or not name.startswith("blk."):
+            w.add_tensor(name, data)
+            return
+        from gguf.quants import quantize
+
+        kind = gguf.GGMLQuantizationType[quant]
+        w.add_tensor(name, quantize(data, kind), raw_dtype=kind)
 
     hd = dim // heads
     tensor("token_embd.weight", (vocab, dim))

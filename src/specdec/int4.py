@@ -51,7 +51,7 @@ whatever the row count or thread count; the same probe checks it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -375,6 +375,23 @@ def read_q4_1(raw: np.ndarray, n: int, k: int) -> list[Codes]:
     return q4_1_codes(d, m, torch.from_numpy(q), torch.from_numpy(blocks.copy()))
 
 
+def read_q4_0(raw: np.ndarray, n: int, k: int) -> list[Codes] | None:
+    """A Q4_0 tensor's bytes (N, K/32 * 18): per block d (fp16), then 16 bytes of codes laid out as
+    Q4_1's; w = d (q - 8). The same block as Q4_1 with m = -8 d, which fp16 holds exactly (a power
+    of two times d) unless it overflows: the file's codes and scales as they are, in Q4_1's form.
+    None where some m would overflow (the weights are then quantized again)."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 18)
+    d16 = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m16 = (d16.astype(np.float32) * -8).astype(np.float16)
+    if not np.array_equal(m16.astype(np.float32), d16.astype(np.float32) * -8):
+        return None
+    qs = blocks[..., 2:18]
+    q1 = np.concatenate([blocks[..., 0:2], m16[..., None].view(np.uint8), qs], axis=-1)  # (N, K/32, 20)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
+    return q4_1_codes(torch.from_numpy(d16.copy()), torch.from_numpy(m16.copy()), torch.from_numpy(q),
+                      torch.from_numpy(np.ascontiguousarray(q1)))
+
+
 def q8_0_parts(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes (N, K/32 * 34: per block d (fp16), then 32 int8 weights) as its blocks
     (N, K/32, 34) (a view of raw), d (N, K/32) float16 and q (N, K) int8."""
@@ -390,11 +407,12 @@ def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
     return q8_0_codes(d, q, torch.from_numpy(blocks.copy()))
 
 
-READERS = {"Q4_1": read_q4_1, "Q8_0": read_q8_0}
-# GGUF formats of 4 bits a weight that no reader here takes as they are (Q4_0, Q4_K): their
-# products are quantized again to Q4_1 from the weights transformers de-quantized (Q4_0 fits Q4_1's
-# form exactly, Q4_K up to the rounding of its scales); every other format (Q5_*, Q6_K, F16, BF16,
-# ...) to Q8_0, never to fewer bits than the file holds. Every product stays on the 4-/8-bit kernels.
+READERS: dict[str, Callable[[np.ndarray, int, int], list[Codes] | None]] = {
+    "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q8_0": read_q8_0}
+# GGUF formats of 4 bits a weight that no reader here takes as they are (Q4_K): their products are
+# quantized again to Q4_1 from the weights transformers de-quantized (up to the rounding of Q4_K's
+# scales); every other format (Q5_*, Q6_K, F16, BF16, ...) to Q8_0, never to fewer bits than the
+# file holds. Every product stays on the 4-/8-bit kernels.
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 

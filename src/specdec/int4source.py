@@ -71,11 +71,11 @@ def from_gguf(path: Path, model: Any) -> Int4Source:
         kind = t.kind if t is not None else "missing"
         read = READERS.get(kind)
         n, k = shape
-        if t is None or read is None or t.shape != (n, k) or k % GROUP:
+        planes = None if t is None or read is None or t.shape != (n, k) or k % GROUP else read(t.data, n, k)
+        if planes is None:
             formats[f"{kind} (float32)"] = formats.get(f"{kind} (float32)", 0) + 1
             return None
         formats[kind] = formats.get(kind, 0) + 1
-        planes = read(t.data, n, k)
         if heads is not None:
             index = unpermute_rows(n, heads)
             planes = [p.rows(index) for p in planes]

@@ -121,3 +121,38 @@ def test_formats_not_read_as_they_are_are_quantized_again_and_never_to_fewer_bit
     for prompt in ["ab", "abc abc abc", "hello"]:
         assert spec.generate(prompt, max_new_tokens=16, temperature=0).token_ids == \
             plain.generate(prompt, max_new_tokens=16, temperature=0).token_ids
+
+
+def test_q4_0_is_read_as_it_is_in_q4_1s_form(tmp_path, cache):
+    """Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16: the file's codes and scales run on
+    the 4-bit kernel with nothing quantized again, hold gguf's own de-quantization exactly, and
+    greedy speculative output is plain decoding's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from specdec import load
+    from specdec.int4 import ATTR, read_q4_0
+
+    x = (np.random.default_rng(1).standard_normal((8, 96)) * 0.05).astype(np.float32)
+    raw = quantize(x, GGMLQuantizationType.Q4_0)
+    planes = read_q4_0(raw, 8, 96)
+    assert planes is not None and planes[0].blocks is not None and planes[0].blocks.kind == "Q4_1"
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0).reshape(8, 96).copy())
+    plane = planes[0]
+    held = (plane.q.float() - 8) * plane.scale.repeat_interleave(32, 1) + plane.zero.repeat_interleave(32, 1)
+    assert torch.equal(held, want)
+    assert torch.equal(qgemm_dense(planes[0].blocks.data), want)
+    path = write_tiny_gguf(tmp_path / "q4_0.gguf", quant="Q4_0")
+    plain = load(str(path), draft="none")
+    assert getattr(plain.target.rows.model, ATTR).formats == {"Q4_0": 7 * 2, "F32 (float32)": 1}
+    spec = load(str(path), draft="ngram", draft_tokens=4)
+    for prompt in ["ab", "abc abc abc", "hello"]:
+        assert spec.generate(prompt, max_new_tokens=16, temperature=0).token_ids == \
+            plain.generate(prompt, max_new_tokens=16, temperature=0).token_ids
+
+
+def qgemm_dense(blocks: torch.Tensor) -> torch.Tensor:
+    from specdec import qgemm
+
+    return qgemm.dequantize_q4_1(blocks)

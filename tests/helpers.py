@@ -4,7 +4,9 @@ from collections import Counter
 
 from specdec.certify import goodness_of_fit
 from specdec.decoder import SpeculativeDecoder
+from specdec.llama import BatchLlama
 from specdec.sampling import SamplingParams
+from specdec.sequence import OneSequence
 from specdec.toy import MarkovLM, sequence_distribution
 
 ALPHA = 0.001
@@ -23,3 +25,8 @@ def fit_against_exact(decoder: SpeculativeDecoder, target: MarkovLM, prompt, len
     exact = sequence_distribution(target, prompt, length, params)
     counts = sample_continuations(decoder, prompt, length, n, **settings)
     return goodness_of_fit(counts, exact, alpha=ALPHA)
+
+
+def lean(model, name: str = "lean", **kwargs) -> OneSequence:
+    """One sequence of `model` on the lean path (slot 0 of a one-slot `BatchLlama`)."""
+    return OneSequence(BatchLlama(model, name, 1, **kwargs))

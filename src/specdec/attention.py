@@ -74,8 +74,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     positions, and of FINE_BLOCK within the first chunk: a long prompt never builds an n x n
     score matrix, and a prompt fed whole or from any block's end attends alike), then each of
     the last `solo` queries alone, exactly as a one-token step attends (in bfloat16 attention
-    over several queries at once rounds differently). Every lean path (FastLlamaLM, each row
-    of BatchLlama) attends through here, so a row's scores never depend on how many tokens or
+    over several queries at once rounds differently). Every row of the lean path
+    (`BatchLlama`) attends through here, so a row's scores never depend on how many tokens or
     rows share its pass. scores: a family's own scale, soft-cap or window (`Scores`), else
     Llama's. Returns (1, Hq, n, hd)."""
     n = q.shape[2]

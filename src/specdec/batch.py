@@ -39,11 +39,11 @@ from specdec.finish import Finish
 from specdec.grammar import inside_rows, masks_for
 from specdec.kchoice import KChoice
 from specdec.llama import BatchLlama
-from specdec.lm import attention_backends, common_prefix, tree_depths
+from specdec.lm import LM, attention_backends, common_prefix, tree_depths
 from specdec.prophets.base import TREE, BatchDraft, Prophet, chain_draft, in_row_order, is_chain, probs_by_params
 from specdec.ragged import RaggedVerdict, greedy_verdicts, verify_greedy_rows, verify_rows
 from specdec.request import TARGET, Request, StepEvent, batch_free, row_prefilled, row_slot
-from specdec.rows import BatchLM, prefill_rows
+from specdec.rows import prefill_rows
 from specdec.sampling import SamplingParams, checked_argmax, couple, logits_to_probs, sample
 from specdec.slots import Slots
 from specdec.verify import Verdict, verify_chain, verify_greedy_tree, verify_tree
@@ -91,7 +91,7 @@ def from_entries(x: torch.Tensor, first: Sequence[int], counts: Sequence[int]) -
 
 
 class BatchEngine:
-    def __init__(self, target: BatchLM, prophet: Prophet | None = None, eos_token_ids: Iterable[int] = (),
+    def __init__(self, target: LM, prophet: Prophet | None = None, eos_token_ids: Iterable[int] = (),
                  tokenizer: Any = None) -> None:
         lm = prophet.draft_lm if prophet is not None else None
         if lm is not None and (lm.vocab_size != target.vocab_size or lm.slots != target.slots):
@@ -101,7 +101,7 @@ class BatchEngine:
         # own slots among them (an early exit drafts in the target's)
         self.parts: list[Prophet] = list(prophet.parts) if prophet is not None else []
         self.model_names = {p.name for p in self.parts if p.model_steps}  # prophets whose draft steps are passes
-        self.draft_lms: list[BatchLM] = [p.draft_lm for p in self.parts if p.draft_lm is not None
+        self.draft_lms: list[LM] = [p.draft_lm for p in self.parts if p.draft_lm is not None
                                          and p.draft_lm is not target]
         # target layers whose outputs an eagle3 prophet drafts from (every pass keeps them per row)
         self.fused_layers: tuple[int, ...] = next((tuple(p.fused_layers) for p in self.parts if p.fused_layers), ())

@@ -29,6 +29,7 @@ import torch
 from specdec import layerloop, qgemm
 from specdec.costmodel import Costs, OtherLoad, interleaved_times, monotone, relative_spread
 from specdec.defaults import cache_dir, cpu_model
+from specdec.llama import BatchLlama
 from specdec.lm import attention_backends
 from specdec.request import TARGET, Request, row_slot
 from specdec.rows import prefill_rows
@@ -58,7 +59,7 @@ def costs_key(decoder: Any) -> dict[str, Any]:
     specdec's float32 kernel (`BatchLlama.f32_rows_exact`) names them too (`f32_products`)."""
     target = decoder.target
     model = getattr(target, "model", None)
-    rows = getattr(target, "rows", None)  # a lean target's BatchLlama: which layer loop runs it
+    rows = target if isinstance(target, BatchLlama) else None  # a lean target: which layer loop runs it
     loop = "" if rows is None else "C++" if layerloop.stack_for(rows) is not None else "Python"
     key = {"version": KEY_VERSION, "target": target.name, "target_class": type(target).__name__,
            "dtype": str(getattr(model, "dtype", "")), "int4": bool(getattr(target, "int4", False)),

@@ -33,7 +33,7 @@ from specdec.events import RoundEvent
 from specdec.finish import Finish, check_stops
 from specdec.generation import Generation
 from specdec.grammar import Constraint, Vocabulary, grammar_of
-from specdec.lm import CausalLM
+from specdec.lm import LM
 from specdec.policy import Policy, make_policy
 from specdec.prophets.base import Prophet
 from specdec.request import Request
@@ -97,7 +97,7 @@ class SpeculativeDecoder:
     committed context, so every mode stays exact.
     """
 
-    def __init__(self, target: CausalLM, prophets: Prophet | Sequence[Prophet] | None = None,
+    def __init__(self, target: LM, prophets: Prophet | Sequence[Prophet] | None = None,
                  tokenizer: Any = None, policy: Policy | None = None, multi: str = "tree",
                  eos_token_ids: Iterable[int] = ()) -> None:
         if prophets is None:
@@ -133,7 +133,7 @@ class SpeculativeDecoder:
     # ----------------------------------------------------------------- public API
     def plain(self) -> SpeculativeDecoder:
         """A decoder with no prophet over the same target model (its own cache)."""
-        return SpeculativeDecoder(self.target.fresh(), None, self.tokenizer, Policy(1),
+        return SpeculativeDecoder(self.target.view(1), None, self.tokenizer, Policy(1),
                                   eos_token_ids=self.eos_token_ids)
 
     def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int | None = None,

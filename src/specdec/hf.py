@@ -1,5 +1,5 @@
-"""Any transformers causal LM as a `specdec.lm.CausalLM`: transformers' own forward, a cache
-specdec can roll back.
+"""Any transformers causal LM as a `specdec.lm.LM` (`HFLM`): transformers' own forward, a cache
+specdec can roll back, one per slot (`HFSequence`), rows scored in turn (`specdec.rows.RowsLM`).
 
 Speculation writes a draft's keys and values, then drops the rejected ones (`truncate`), keeps a
 token tree's accepted path (`keep_tree_path`) and cuts an early exit's provisional entries
@@ -14,7 +14,7 @@ before any position, at any length:
   sliding variant is a ring that cannot be cropped once it has wrapped;
 - a quantized layer (`cache_implementation="quantized"`) re-quantizes its residual block as it
   fills, so a crop cannot give back the values it held (transformers: `is_croppable = False`).
-So `HFCausalLM` keeps a `DynamicCache` of full-length layers of its own, whatever the model's
+So `HFSequence` keeps a `DynamicCache` of full-length layers of its own, whatever the model's
 generation config asks `generate` to build, and a sliding layer sees only its window through
 the attention mask: transformers builds the sliding-window mask from absolute positions for a
 full-length layer, and a token tree's mask is built here, windowed the same way
@@ -36,6 +36,7 @@ import torch
 
 from specdec.errors import ModelLoadError
 from specdec.lm import tree_layout
+from specdec.rows import RowsLM
 
 ROLLBACK_LAYERS = ("full_attention", "sliding_attention")  # layer kinds whose keys/values a full-length cache holds
 
@@ -63,8 +64,9 @@ def attention_layout(config: Any, name: str = "model") -> tuple[list[str], int |
     return kinds, (int(window) if window else None), declared is not None
 
 
-class HFCausalLM:
-    """A transformers causal LM with a full-length `DynamicCache` of its own, batch size 1."""
+class HFSequence:
+    """One sequence of a transformers causal LM: a full-length `DynamicCache` of its own, batch
+    size 1 (a `specdec.rows.RowState`)."""
 
     offers_hidden = True  # its output embeddings are the head; forward_features reads what they read
 
@@ -91,9 +93,9 @@ class HFCausalLM:
             self._stacks[layers] = stack
         return self._stacks[layers]
 
-    def fresh(self) -> HFCausalLM:
+    def fresh(self) -> HFSequence:
         """Another view of the same weights with its own, empty cache."""
-        return HFCausalLM(self.model, self.name, self.vocab_size)
+        return HFSequence(self.model, self.name, self.vocab_size)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -216,4 +218,13 @@ class HFCausalLM:
             del self.tokens[n:]
 
 
-__all__ = ["HFCausalLM", "attention_layout"]
+class HFLM(RowsLM):
+    """A transformers causal LM as an `LM`: `slots` sequences of its own (`HFSequence`), rows
+    scored one after another through transformers' forward."""
+
+    def __init__(self, model: Any, name: str, vocab_size: int | None = None, slots: int = 1) -> None:
+        super().__init__(HFSequence(model, name, vocab_size), slots)
+        self.model = model
+
+
+__all__ = ["HFLM", "HFSequence", "attention_layout"]

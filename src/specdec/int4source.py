@@ -155,9 +155,9 @@ def from_float(model: Any, gguf: Path | None = None) -> Int4Source:
 
 def attach_int4(model: Any, name: str, backend: str = "auto", device: torch.device | None = None,
                 lean: bool = True) -> Int4Source:
-    """Give a loaded float32 model its 4-bit products (read by the lean path, FastLlamaLM and
-    BatchLlama alike): from the GGUF file's blocks when `name` is one ("smollm2" or a .gguf
-    path), else quantized here. lean: whether a model family file runs `model` on the lean path
+    """Give a loaded float32 model its 4-bit products (read by the lean path, `BatchLlama`): from
+    the GGUF file's blocks when `name` is one ("smollm2" or a .gguf path), else quantized here.
+    lean: whether a model family file runs `model` on the lean path
     (`specdec.llama.supports`). Clear errors where int4 cannot run."""
     from specdec.defaults import is_alias
     from specdec.gguf import smollm2_gguf

@@ -1,8 +1,7 @@
-"""The one decode path for Llama-family models: `BatchLlama`, B cache slots scored in one
-ragged pass (the one loop's target and draft models), and `FastLlamaLM`, one sequence as
-a `CausalLM` on slot 0 of a one-slot `BatchLlama` (what a decoder holds as its target and
-draft models, and what training reads features through), with the weights, products and
-attention they share (`LlamaWeights`, `exact_attention`).
+"""The one decode path for Llama-family models: `BatchLlama`, the model protocol
+(`specdec.lm.LM`) with B cache slots scored in one ragged pass (a decoder's target and draft
+models, training's feature reader), its weights, products and attention (`LlamaWeights`,
+`exact_attention`).
 
 A 2-layer prophet spends most of a Hugging Face forward call in Python (module calls,
 mask construction, cache bookkeeping), not in arithmetic, and that overhead is the
@@ -101,7 +100,7 @@ def kv_dtype_for(lm: Any, want: str | torch.dtype | None = None) -> torch.dtype:
 
 
 class LlamaWeights:
-    """What the Llama path (`BatchLlama`, and `FastLlamaLM` over it) reads from a loaded
+    """What the Llama path (`BatchLlama`) reads from a loaded
     plain Llama model: shapes, the weights (fused QKV and gate/up), rotary tables, RMSNorm.
 
     A model loaded with dtype int4 carries 4-bit products (`specdec.int4source.attach_int4`):
@@ -114,7 +113,7 @@ class LlamaWeights:
                  int8: bool = False, act_dtype: torch.dtype = torch.float32) -> None:
         why = families.why_not(model)
         if why is not None:
-            raise ValueError(f"'{name}' cannot run on the fast path ({why}); use HFCausalLM")
+            raise ValueError(f"'{name}' cannot run on the fast path ({why}); use specdec.hf.HFLM")
         cfg = model.config
         family = families.family_of(cfg)
         assert family is not None
@@ -298,6 +297,7 @@ class BatchLlama(LlamaWeights):
     row's scores never depend on the rows beside it."""
 
     INITIAL_CAPACITY = 256  # KV positions a slot allocates at first; grows by doubling
+    offers_hidden = True  # forward_features: the hidden states the head reads
 
     def __init__(self, model: Any, name: str, slots: int, vocab_size: int | None = None, int8: bool = False,
                  act_dtype: torch.dtype = torch.float32, kv_dtype: str | torch.dtype | None = None) -> None:
@@ -308,7 +308,7 @@ class BatchLlama(LlamaWeights):
         self.v_slots: list[torch.Tensor | None] = [None] * slots
         self.forward_calls = 0
         self.freed_bytes, self.freed_large = 0, False  # freed since the heap was last trimmed (trim_due)
-        # As FastLlamaLM: in bfloat16 each row's scored tokens attend one by one, so a row
+        # In bfloat16 each row's scored tokens attend one by one, so a row
         # scores exactly what the same request alone (or plain decoding) would. In float32 too
         # where specdec's float32 kernel runs the products (`qgemm.f32_product`: a row's bits
         # whatever shares the product, up to `qgemm.f32_rows()` rows a product).
@@ -331,6 +331,16 @@ class BatchLlama(LlamaWeights):
         other.slots, other.forward_calls, other.freed_bytes, other.freed_large = slots, 0, 0, False
         other.k_slots, other.v_slots = [None] * slots, [None] * slots
         return other
+
+    def embeddings(self) -> Any:
+        """The input embedding table: float (V, D), or a GGUF file's Q8_0 rows (`int4.BlockEmbedding`)."""
+        return self.embed
+
+    def head(self) -> torch.Tensor:
+        """The head's float weights (V, D) (with 4-bit weights, those transformers de-quantized)."""
+        if isinstance(self.lm_head, torch.Tensor):
+            return self.lm_head
+        return self.model.lm_head.weight[: self.vocab_size]  # type: ignore[no-any-return]
 
     def position_bytes(self) -> int:
         """Bytes of keys and values one position of one slot holds (all layers)."""
@@ -483,7 +493,7 @@ class BatchLlama(LlamaWeights):
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                 n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
-        """See `BatchLM.forward`. Returns float32 logits (B, max(n_logits), V). trees: per row,
+        """See `specdec.lm.LM.forward`. Returns float32 logits (B, max(n_logits), V). trees: per row,
         None, or the parents of a token tree (see `specdec.verify.DraftTree`) whose nodes are
         the row's last len(parents) new ids: each node sits at (chain end + its depth) and
         sees only its ancestors (`keep_path` then keeps the accepted ones)."""

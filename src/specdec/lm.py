@@ -1,19 +1,17 @@
-"""Language models as the engine sees them: score tokens, own a KV cache, roll it back.
+"""The one model protocol: a language model as the loop sees it (`LM`).
 
-The engine never touches a model directly; it talks to a `CausalLM`:
-- `tokens` are the ids whose keys/values are cached (a prefix of the context);
-- `forward(new_ids, n_logits)` appends `new_ids` and returns logits for the last
-  `n_logits` of them (teacher forcing: K drafted tokens are scored in one call);
-- `forward_tree(...)` scores a token tree in one call (several prophets);
-- `truncate(n)` rolls the cache back to its first n tokens (rejected tokens are dropped).
+A model has `slots` independent KV caches written by position. `forward(slots, starts, new_ids,
+n_logits)` puts row b's new ids into cache slot slots[b] at positions starts[b].., seeing that
+slot's first starts[b] entries (what lies past them, a rejected draft, is overwritten or dropped:
+rolling back is writing by position), and returns logits for the last n_logits[b] of them.
+Token trees, hidden states for feature prophets and early exits are arguments of the same two
+calls. `view(slots)` gives the same weights with caches of its own.
 
-`sync(context)` keeps the invariant used by the engine: after it, the cache holds the
-longest common prefix of its tokens and the context, but never the whole context, so
-the next forward always has at least one token to produce the next distribution from.
-
-`specdec.hf.HFCausalLM` adapts any transformers causal LM (loaded by `specdec.wiring`);
-`specdec.llama.FastLlamaLM` is the lean Llama path; `specdec.toy` has table-based models behind
-the same interface, whose exact distributions are known.
+A model family or backend is one file implementing it: `specdec.llama.BatchLlama` (the lean
+path: Llama and the families of `specdec.families`, every row of a step in one batched pass),
+`specdec.hf.HFLM` (any other transformers model, rows in turn), `specdec.toy.MarkovLM` (tables
+whose exact distributions are known, for the statistical tests). `specdec.sequence.OneSequence`
+drives any of them as one growing sequence (training, tools, tests).
 """
 
 from __future__ import annotations
@@ -39,50 +37,55 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-class CausalLM(Protocol):
+class LM(Protocol):
+    """A model with `slots` independent caches, written by position (see the module doc)."""
+
     name: str
-    vocab_size: int  # number of token ids scored (the shared vocabulary)
+    vocab_size: int  # token ids scored (the vocabulary shared with the tokenizer)
     max_length: int  # context limit in tokens
-    tokens: list[int]  # ids whose keys/values are in the cache
-    forward_calls: int
+    slots: int
+    offers_hidden: bool  # whether forward_features' hidden states are the head's input (feature prophets)
+    forward_calls: int  # passes run (a statistic)
+
     @property
     def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
-
-
-    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor: ...  # (n_logits, V)
-
-    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
-                     tree_parents: Sequence[int]) -> torch.Tensor: ...  # (1 + N, V)
-
-    def truncate(self, n: int) -> None: ...
-
-    def fresh(self) -> CausalLM: ...  # another view of the same weights with its own, empty cache
-
-    offers_hidden: bool  # whether forward_features, embeddings and head are available (feature prophets)
-
-    def embeddings(self) -> torch.Tensor: ...  # (V, D) input embedding matrix
-
-    def head(self) -> torch.Tensor: ...  # (V, D) output head; logits = hidden @ head.T
-
-    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As forward, also returning the last hidden states (n_logits, D), after the final norm."""
-        ...
-
-    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None: ...
 
     @property
     def n_layers(self) -> int: ...
 
-    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
-        """Self-speculation: logits (V,) after the first `layers` layers and the final norm
-        and head; cache entries past the committed tokens until end_early_exit."""
+    def view(self, slots: int) -> LM:
+        """The same weights (nothing loaded, fused or quantized again), `slots` empty caches of its own."""
         ...
 
-    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
-        """As early_exit, the (n_last, D) features the head would read instead of logits."""
+    def free(self, slot: int) -> None:
+        """Return a slot's cache memory: its request has left."""
         ...
 
-    def end_early_exit(self, committed: int) -> None: ...
+    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """Row b: new_ids[b] into cache slot slots[b] at positions starts[b].., seeing that
+        slot's first starts[b] entries. Returns logits (B, max(n_logits), V): entry j of row b
+        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding.
+        trees[b]: the parents of a token tree ending row b's new ids (`tree_layout`): logits
+        after the chain's last token and after each node."""
+        ...
+
+    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
+                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
+                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also returning the hidden states (B, max(n_logits), D) the head read;
+        layers: the first ones only (an early exit: entries of the first `layers` layers only,
+        provisional until the slot is next written from a committed position; head=False:
+        features only)."""
+        ...
+
+    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
+        """After a tree pass: the accepted nodes' entries moved to base, base + 1, ..."""
+        ...
+
+    def embeddings(self) -> Any: ...  # (V, D) input embedding table (indexed by ids)
+
+    def head(self) -> torch.Tensor: ...  # (V, D) float output head; logits = hidden @ head.T
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -93,14 +96,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def sync(lm: CausalLM, context: Sequence[int]) -> list[int]:
-    """Roll lm's cache back to what context shares with it; return the ids still to feed."""
-    keep = min(common_prefix(lm.tokens, context), len(context) - 1)
-    if keep < len(lm.tokens):
-        lm.truncate(keep)
-    return list(context[keep:])
 
 
 def tree_depths(tree_parents: Sequence[int]) -> list[int]:

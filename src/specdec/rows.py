@@ -1,90 +1,112 @@
-"""Any one-sequence model as rows of the one loop.
+"""The model protocol (`specdec.lm.LM`) for models without a batched pass: a cache of their own
+per slot, rows scored in turn.
 
-`RowsLM` wraps a `specdec.lm.CausalLM` (a transformers model through `HFCausalLM`, the lean
-`FastLlamaLM`, the toy `MarkovLM`) as a `specdec.batch.BatchLM`: each cache slot gets its own
-view of the same weights (`fresh()`: a cache of its own), and a step's rows run through
-their views one after another. So a target or draft model without a batched forward (any
-transformers architecture) runs on the same round loop as the lean batched Llama: the same
-drafting, verification, policies, finishing and events; only the speed-up of scoring many
+A backend that scores one sequence at a time (transformers' forward in `specdec.hf`, the toy
+tables of `specdec.toy`) gives `RowsLM` a `RowState`: one sequence's cache and tokens. Each cache
+slot gets its own state (`fresh()`, the same weights), made when the slot is first used, and a
+step's rows run through their states one after another: the same drafting, verification,
+policies, finishing and events as on the lean batched path; only the speed-up of scoring many
 rows in one product is missing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from specdec.lm import CausalLM
+from specdec.lm import LM
 from specdec.request import Request, keep_fused, row_cached, row_slot, set_row_cached
 
 
-class BatchLM(Protocol):
-    """A model with `slots` independent caches, written by position."""
+class RowState(Protocol):
+    """One sequence of a `RowsLM`: the ids whose keys and values its cache holds (`tokens`),
+    appended to by each call, rolled back by `truncate`."""
 
     name: str
     vocab_size: int
     max_length: int
-    slots: int
+    tokens: list[int]
+    offers_hidden: bool
+
     @property
-    def device(self) -> torch.device: ...  # where its weights and caches live; logits come back there
+    def device(self) -> torch.device: ...
 
-    def free(self, slot: int) -> None:
-        """Return a slot's cache memory: its request has left."""
+    @property
+    def n_layers(self) -> int: ...
+
+    def fresh(self) -> RowState: ...  # another state over the same weights, its cache empty
+
+    def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor: ...  # (n_logits, V)
+
+    def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, also the hidden states (n_logits, D) the head read."""
         ...
 
-    def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
-        """Row b: new_ids[b] into cache slot slots[b] at positions starts[b].., seeing that
-        slot's first starts[b] entries. Returns logits (B, max(n_logits), V): entry j of row b
-        is after its new token len(new_ids[b]) - n_logits[b] + j; entries past n_logits[b] are padding.
-        trees[b]: the parents of a token tree ending row b's new ids (see `BatchLlama.forward`)."""
-        ...
+    def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
+                     tree_parents: Sequence[int]) -> torch.Tensor: ...  # (1 + N, V)
 
-    def keep_path(self, slot: int, base: int, path: Sequence[int]) -> None:
-        """After a tree pass: the accepted nodes' entries moved to base, base + 1, ..."""
-        ...
+    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None: ...
 
-    def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
-                         n_logits: Sequence[int], layers: int | None = None, head: bool = True,
-                         trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As forward, also returning the hidden states (B, max(n_logits), D) the head read;
-        layers: the first ones only (an early exit; head=False: features only)."""
-        ...
+    def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor: ...  # (V,)
 
+    def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor: ...
 
+    def end_early_exit(self, committed: int) -> None: ...
+
+    def truncate(self, n: int) -> None: ...
+
+    def embeddings(self) -> Any: ...
+
+    def head(self) -> torch.Tensor: ...
 
 
 class RowsLM:
-    """A `BatchLM` over a one-sequence model: a view per slot, rows scored in turn."""
+    """An `LM` over one-sequence states: one per slot, rows scored in turn."""
 
-    def __init__(self, lm: CausalLM, slots: int) -> None:
-        self.lm, self.slots = lm, slots
-        self.name, self.vocab_size, self.max_length = lm.name, lm.vocab_size, lm.max_length
-        self.views: list[CausalLM | None] = [None] * slots  # per slot, made when the slot is first used
+    def __init__(self, state: RowState, slots: int = 1) -> None:
+        """state: a sequence of the model (its cache empty or not: it is only a prototype; each
+        slot gets a `fresh()` one)."""
+        self.state, self.slots = state, slots
+        self.name, self.vocab_size, self.max_length = state.name, state.vocab_size, state.max_length
+        self.offers_hidden = state.offers_hidden
+        self.views: list[RowState | None] = [None] * slots  # per slot, made when the slot is first used
         self._trees: dict[int, list[int]] = {}  # per slot: the tree tokens of its last tree pass
         self.forward_calls = 0
 
     @property
     def device(self) -> torch.device:
-        return self.lm.device
+        return self.state.device
 
     @property
     def n_layers(self) -> int:
-        return self.lm.n_layers
+        return self.state.n_layers
+
+    def view(self, slots: int) -> RowsLM:
+        """The same weights, `slots` empty caches of its own (a subclass keeps its class)."""
+        other = type(self).__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        RowsLM.__init__(other, self.state, slots)
+        return other
+
+    def embeddings(self) -> Any:
+        return self.state.embeddings()
+
+    def head(self) -> torch.Tensor:
+        return self.state.head()
 
     def free(self, slot: int) -> None:
         self.views[slot] = None
         self._trees.pop(slot, None)
 
-    def _view(self, slot: int, start: int) -> CausalLM:
+    def _view(self, slot: int, start: int) -> RowState:
         """The slot's view, holding exactly its first `start` entries: entries past them (a
         rejected draft, the provisional entries of an early exit) are dropped. A start past
         the view's tokens continues an early exit, whose entries the view keeps itself."""
         view = self.views[slot]
         if view is None:
-            view = self.views[slot] = self.lm.fresh()
+            view = self.views[slot] = self.state.fresh()
         if start <= len(view.tokens):
             view.truncate(start)
             view.end_early_exit(start)
@@ -93,15 +115,14 @@ class RowsLM:
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                 n_logits: Sequence[int], trees: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
-        """See `specdec.batch.BatchLM.forward`."""
+        """See `specdec.lm.LM.forward`."""
         return self._rows(slots, starts, new_ids, n_logits, None, True, trees, features=False)[0]
 
     @torch.inference_mode()
     def forward_features(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
                          n_logits: Sequence[int], layers: int | None = None, head: bool = True,
                          trees: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `specdec.batch.BatchLlama.forward_features`: logits and the features the head
-        read; layers: the first ones only (an early exit, one logit row per row)."""
+        """See `specdec.lm.LM.forward_features` (an early exit: one logit row per row)."""
         return self._rows(slots, starts, new_ids, n_logits, layers, head, trees, features=True)
 
     def _rows(self, slots: Sequence[int], starts: Sequence[int], new_ids: Sequence[Sequence[int]],
@@ -156,7 +177,7 @@ class RowsLM:
 
 
 
-def prefill_rows(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int | None = None,
+def prefill_rows(lm: LM, reqs: Sequence[Request], cache: str, budget: int | None = None,
                  capture: tuple[int, ...] = ()) -> None:
     """Feed rows' prompts but their last token (later steps then feed few tokens per row):
     with a budget, one chunk per row, from where the row is (its length in `cache`) to
@@ -186,4 +207,4 @@ def prefill_rows(lm: BatchLM, reqs: Sequence[Request], cache: str, budget: int |
         set_row_cached(r, cache, b)
 
 
-__all__ = ["BatchLM", "RowsLM", "prefill_rows"]
+__all__ = ["RowState", "RowsLM", "prefill_rows"]

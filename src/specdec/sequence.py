@@ -1,121 +1,100 @@
-"""One sequence on the fast path as a `specdec.lm.CausalLM`: `FastLlamaLM`, slot 0 of a
-one-slot `BatchLlama` with the sequence's tokens kept here."""
+"""One growing sequence on any model (`specdec.lm.LM`): `OneSequence` keeps the sequence's tokens
+and drives one cache slot, for the callers that read a model one sequence at a time (training's
+teacher-forced features, tools, tests). The loop never uses it: it drives rows."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from specdec.llama import BatchLlama
+from specdec.lm import LM
 
 
-class FastLlamaLM:
-    """One sequence as a `specdec.lm.CausalLM`, on the one Llama path there is: slot 0 of a
-    one-slot `BatchLlama`, with the sequence's tokens kept here. Draft models run row by
-    row through it where a prophet has no batched path, training reads features through it,
-    and the decoder holds its target as one; every product, attention and exactness rule
-    (`exact_rows`: in bf16 and int4 the scored rows attend as one-token steps) is
-    BatchLlama's. Every attribute of the weights (`model`, `layers`, `int4`, ...) reads
-    through to it."""
+class OneSequence:
+    """Slot `slot` of `lm` as one sequence: `forward` appends ids and returns logits, `truncate`
+    rolls back (the next call writes from there), trees and early exits as the model offers them.
+    Several OneSequences over one model need slots of their own (or `lm.view(1)` each)."""
 
-    INITIAL_CAPACITY = 256  # KV positions allocated up front (grows by doubling)
-    offers_hidden = True  # forward_features: logits and the last hidden states
-
-    def __init__(self, model: Any, name: str, vocab_size: int | None = None, int8: bool = False,
-                 act_dtype: torch.dtype = torch.float32, rows: BatchLlama | None = None,
-                 kv_dtype: str | torch.dtype | None = None) -> None:
-        """int8: the same weights quantized to int8 per output row (weight-only; activations in
-        act_dtype), a compressed copy of the model to draft with (`--draft TARGET:int8`), made
-        from the float weights (never from a model's 4-bit ones). rows: a one-slot view of
-        weights already read (`fresh`)."""
-        self.rows = rows if rows is not None else BatchLlama(model, name, 1, vocab_size, int8=int8,
-                                                             act_dtype=act_dtype, kv_dtype=kv_dtype)
-        # The KV buffer grows with the request (doubling, up to the context), instead of being
-        # sized to every position the config allows (8,192 for SmolLM2: ~377 MB in fp32).
-        self.rows.reserve(0, min(self.INITIAL_CAPACITY, self.rows.max_length))
+    def __init__(self, lm: LM, slot: int = 0) -> None:
+        self.lm, self.slot = lm, slot
         self.tokens: list[int] = []
         self.last_hidden = torch.zeros(0)
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "rows":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(attr)
-        return getattr(self.rows, attr)
+        self._tree: list[int] = []  # the tree tokens of the last tree pass
+        self._exit = 0  # ids fed past the committed tokens by early exits
 
     @property
-    def capacity(self) -> int:
-        """KV positions currently allocated."""
-        k = self.rows.k_slots[0]
-        return 0 if k is None else int(k.shape[2])
+    def name(self) -> str:
+        return self.lm.name
 
     @property
-    def forward_calls(self) -> int:
-        return self.rows.forward_calls
+    def vocab_size(self) -> int:
+        return self.lm.vocab_size
 
-    @forward_calls.setter
-    def forward_calls(self, n: int) -> None:
-        self.rows.forward_calls = n
+    @property
+    def max_length(self) -> int:
+        return self.lm.max_length
 
     def _pass(self, ids: Sequence[int], n_logits: int, layers: int | None = None, head: bool = True,
-              parents: Sequence[int] | None = None) -> torch.Tensor:
-        logits, hidden = self.rows.forward_features([0], [len(self.tokens)], [list(ids)], [n_logits], layers, head,
-                                                    trees=[parents] if parents is not None else None)
-        self.tokens.extend(ids)
-        self.last_hidden = hidden[0]
+              parents: Sequence[int] | None = None, features: bool = True) -> torch.Tensor:
+        args = ([self.slot], [len(self.tokens) + self._exit], [list(ids)], [n_logits])
+        trees = [parents] if parents is not None else None
+        if features:
+            logits, hidden = self.lm.forward_features(*args, layers, head, trees=trees)
+            self.last_hidden = hidden[0]
+        else:
+            logits = self.lm.forward(*args, trees=trees)
+        if layers is None:
+            self.tokens.extend(ids)
+            self._exit = 0
+        else:
+            self._exit += len(ids)
         return logits[0]
 
     def forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """Append new_ids (n,); logits (n_logits, V) for the last n_logits of them."""
-        return self._pass(new_ids, n_logits)
-
-    def embeddings(self) -> torch.Tensor:
-        return self.rows.embed
-
-    def head(self) -> torch.Tensor:
-        """The head's float weights (V, D) (with dtype int4, those transformers de-quantized)."""
-        if isinstance(self.rows.lm_head, torch.Tensor):
-            return self.rows.lm_head
-        return self.rows.model.lm_head.weight[: self.rows.vocab_size]
+        return self._pass(new_ids, n_logits, features=False)
 
     def forward_features(self, new_ids: Sequence[int], n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `forward`, also returning the last hidden states (n_logits, D), after the final norm."""
+        """As `forward`, also the last hidden states (n_logits, D) the head read."""
         logits = self._pass(new_ids, n_logits)
         return logits, self.last_hidden
 
     def early_exit(self, new_ids: Sequence[int], layers: int) -> torch.Tensor:
         """Self-speculation: new_ids through the first `layers` layers and the model's own head,
-        logits (V,) of the last. Their cache entries (layers < L only) sit past the committed
-        tokens, where the next full pass overwrites them: end_early_exit truncates back."""
+        logits (V,) of the last; their entries stay provisional until `end_early_exit`."""
         return self._pass(new_ids, 1, layers)[0]
 
     def early_exit_features(self, new_ids: Sequence[int], layers: int, n_last: int = 1) -> torch.Tensor:
-        """As early_exit, but what the head would read instead of logits: the final norm of
-        the first `layers` layers' output, (n_last, D) for the last n_last new ids."""
+        """As early_exit, what the head would read instead of logits, (n_last, D)."""
         self._pass(new_ids, n_last, layers, head=False)
         return self.last_hidden
 
     def end_early_exit(self, committed: int) -> None:
+        """Drop the early exits' provisional entries (and any tokens past `committed`)."""
+        self._exit = 0
         self.truncate(committed)
 
     def forward_tree(self, new_ids: Sequence[int], tree_tokens: Sequence[int],
                      tree_parents: Sequence[int]) -> torch.Tensor:
         """new_ids (a chain) then a token tree in one pass; logits (1 + N, V) after the chain's
-        last token and after each node. Nodes sit at position (chain end + depth) and see
-        only their ancestors."""
-        return self._pass(list(new_ids) + list(tree_tokens), len(tree_tokens) + 1, parents=tree_parents)
+        last token and after each node."""
+        logits = self._pass(list(new_ids) + list(tree_tokens), len(tree_tokens) + 1, parents=tree_parents,
+                            features=False)
+        self._tree = list(tree_tokens)
+        return logits
 
-    def keep_tree_path(self, n_new: int, path: Sequence[int], tree_tokens: Sequence[int]) -> None:
-        """Move the accepted path's cache entries next to the committed ones, drop the rest."""
-        base = len(self.tokens) - len(tree_tokens)
-        self.rows.keep_path(0, base, path)
-        self.tokens = self.tokens[:base] + [tree_tokens[node] for node in path]
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """After `forward_tree`: the accepted path's entries next to the chain's, the rest dropped."""
+        base = len(self.tokens) - len(self._tree)
+        self.lm.keep_path(self.slot, base, path)
+        self.tokens = self.tokens[:base] + [self._tree[node] for node in path]
+        self._tree = []
 
     def truncate(self, n: int) -> None:
+        """Keep the first n tokens: the next call writes from position n."""
         del self.tokens[n:]
+        self._exit = 0
 
-    def fresh(self) -> FastLlamaLM:
-        """Another view of the same (fused, possibly quantized) weights with an empty cache of
-        its own: nothing is fused or quantized again."""
-        return FastLlamaLM(self.rows.model, self.rows.name, rows=self.rows.view(1))
 
+__all__ = ["OneSequence"]

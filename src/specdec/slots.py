@@ -16,14 +16,14 @@ import torch
 
 from specdec.heap import trim_heap
 from specdec.llama import BatchLlama
+from specdec.lm import LM
 from specdec.prefix import PrefixCache
 from specdec.prophets.base import Prophet
 from specdec.request import Request, StepEvent
-from specdec.rows import BatchLM
 
 
 class Slots:
-    def __init__(self, target: BatchLM, draft_lms: Sequence[BatchLM], prophet: Prophet | None, prefill_chunk: int,
+    def __init__(self, target: LM, draft_lms: Sequence[LM], prophet: Prophet | None, prefill_chunk: int,
                  fused_layers: Sequence[int], lock: threading.RLock) -> None:
         self.target, self.draft_lms, self.prophet, self.lock = target, list(draft_lms), prophet, lock
         self.parts: list[Prophet] = list(prophet.parts) if prophet is not None else []

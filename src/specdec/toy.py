@@ -1,7 +1,8 @@
 """Table-based language models whose exact output distribution is computable.
 
 A `MarkovLM` is a random Markov chain of order `order` over a small vocabulary, behind
-the same `CausalLM` interface as a real model (cache of tokens, truncate, tree scoring).
+the same model protocol as a real model (`specdec.lm.LM`: slots, rows, trees, early exits),
+one `MarkovSequence` per slot.
 `sequence_distribution` enumerates every continuation of a given length with its exact
 probability under given sampling settings: the ground truth for the statistical tests.
 """
@@ -13,10 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.rows import RowsLM
 from specdec.sampling import SamplingParams, logits_to_probs
 
 
-class MarkovLM:
+class MarkovSequence:
+    """One sequence of a Markov chain (a `specdec.rows.RowState`): its tokens are its cache."""
+
     offers_hidden = True
     FEATURE_DIM = 8
     n_layers = 2  # for self-speculation on toy models: "layer 1" of 2 is a pseudo-random feature
@@ -31,20 +35,6 @@ class MarkovLM:
         self.max_length = max_length
         self.tokens: list[int] = []
         self.forward_calls = 0
-
-    @classmethod
-    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 2.0,
-               name: str = "markov") -> MarkovLM:
-        g = torch.Generator().manual_seed(seed)
-        return cls(torch.randn((vocab_size,) * (order + 1), generator=g) * sharpness, name)
-
-    def to(self, device: str | torch.device) -> MarkovLM:
-        """The same model with its table on `device` (for the device checks)."""
-        return MarkovLM(self.table.to(device), self.name, self.max_length)
-
-    def blend(self, other: MarkovLM, weight: float, name: str) -> MarkovLM:
-        """A prophet close to this model: logits mixed with other's (weight 0 = identical)."""
-        return MarkovLM((1 - weight) * self.table + weight * other.table.to(self.device), name, self.max_length)
 
     def logits_after(self, context: Sequence[int]) -> torch.Tensor:
         """(V,) logits of the next token; missing history is padded with token 0."""
@@ -122,12 +112,45 @@ class MarkovLM:
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
 
-    def fresh(self) -> MarkovLM:
-        return MarkovLM(self.table, self.name, self.max_length)
+    def fresh(self) -> MarkovSequence:
+        return MarkovSequence(self.table, self.name, self.max_length)
 
     def reset(self) -> None:
         self.tokens = []
         self.forward_calls = 0
+
+
+class MarkovLM(RowsLM):
+    """A Markov chain as an `LM`: `slots` sequences of its own, rows scored in turn."""
+
+    FEATURE_DIM = MarkovSequence.FEATURE_DIM
+
+    def __init__(self, table: torch.Tensor, name: str = "markov", max_length: int = 1 << 20, slots: int = 1) -> None:
+        """table (V,)*order + (V,): logits of the next token given the last `order` tokens."""
+        self.chain = MarkovSequence(table, name, max_length)
+        super().__init__(self.chain, slots)
+        self.table, self.order = self.chain.table, self.chain.order
+
+    @classmethod
+    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 2.0,
+               name: str = "markov") -> MarkovLM:
+        g = torch.Generator().manual_seed(seed)
+        return cls(torch.randn((vocab_size,) * (order + 1), generator=g) * sharpness, name)
+
+    def to(self, device: str | torch.device) -> MarkovLM:
+        """The same model with its table on `device` (for the device checks)."""
+        return MarkovLM(self.table.to(device), self.name, self.max_length, self.slots)
+
+    def blend(self, other: MarkovLM, weight: float, name: str) -> MarkovLM:
+        """A prophet close to this model: logits mixed with other's (weight 0 = identical)."""
+        return MarkovLM((1 - weight) * self.table + weight * other.table.to(self.device), name, self.max_length)
+
+    def logits_after(self, context: Sequence[int]) -> torch.Tensor:
+        """(V,) logits of the next token after `context`."""
+        return self.chain.logits_after(context)
+
+    def feature_after(self, context: Sequence[int]) -> torch.Tensor:
+        return self.chain.feature_after(context)
 
 
 def sequence_distribution(lm: MarkovLM, prompt: Sequence[int], length: int,

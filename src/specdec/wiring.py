@@ -20,7 +20,7 @@ import torch
 
 from specdec.coststore import BATCH_BUDGET_S
 from specdec.errors import ModelLoadError, VocabularyMismatchError
-from specdec.hf import HFCausalLM
+from specdec.hf import HFLM
 from specdec.prophets.base import Prophet
 
 
@@ -199,14 +199,13 @@ def shared_vocab_size(target_model: Any, target_tok: Any, draft_model: Any | Non
 def wrap(model: Any, name: str, vocab_size: int, backend: str = "auto", kv_dtype: str | None = None) -> Any:
     """The engine's view of a model: the lean Llama path where it applies, else Hugging Face's.
     kv_dtype: the lean path's KV cache (`specdec.llama.kv_dtype_for`; transformers keeps its own)."""
-    from specdec.llama import supports
-    from specdec.sequence import FastLlamaLM
+    from specdec.llama import BatchLlama, supports
 
     if backend not in ("auto", "hf", "fast"):
         raise ValueError(f"backend must be auto, hf or fast, got {backend!r}")
     if backend == "fast" or (backend == "auto" and supports(model)):
-        return FastLlamaLM(model, name, vocab_size, kv_dtype=kv_dtype)
-    return HFCausalLM(model, name, vocab_size)
+        return BatchLlama(model, name, 1, vocab_size, kv_dtype=kv_dtype)
+    return HFLM(model, name, vocab_size)
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -344,9 +343,8 @@ def _layerskip(part: str, w: Wiring) -> Prophet:
 def _int8(part: str, w: Wiring) -> Prophet:
     """A compressed copy of a model (the target itself when it is named) with int8 weights
     and its own KV cache, drafting for the full-precision target."""
-    from specdec.llama import supports
+    from specdec.llama import BatchLlama, supports
     from specdec.prophets.model import ModelProphet
-    from specdec.sequence import FastLlamaLM
 
     name = part[: -len(":int8")]
     if name == w.target.name:
@@ -356,7 +354,7 @@ def _int8(part: str, w: Wiring) -> Prophet:
         shared_vocab_size(w.target.model, w.tokenizer, model, draft_tok, w.target.name, name)
     if not supports(model):
         raise ValueError(f"'{name}:int8' needs a plain Llama model (the lean path quantizes it)")
-    return ModelProphet(FastLlamaLM(model, f"{name}:int8", w.target.vocab_size, int8=True, act_dtype=w.dtype),
+    return ModelProphet(BatchLlama(model, f"{name}:int8", 1, w.target.vocab_size, int8=True, act_dtype=w.dtype),
                         name=f"{short_name(name)}:int8")
 
 
@@ -386,21 +384,21 @@ def _block_head(target: Any, vocab_ids: torch.Tensor) -> Any:
     or None (a float head, PyTorch's int4 kernel, a transformers target)."""
     from specdec.int4 import Int4Weight
 
-    head = getattr(getattr(target, "rows", None), "lm_head", None)
+    head = getattr(target, "lm_head", None)
     return head.block_rows(vocab_ids) if isinstance(head, Int4Weight) else None
 
 
 def _eagle3(part: str, w: Wiring) -> Prophet:
     """An EAGLE-3-style prophet (models/smollm2-eagle3): one decoder layer over the target's
     fused features; it needs the lean Llama path (whose passes keep those features)."""
+    from specdec.llama import BatchLlama
     from specdec.prophets.eagle3 import Eagle3Prophet, Eagle3Runtime, load_eagle3
-    from specdec.sequence import FastLlamaLM
 
     net, vocab_ids, cfg = load_eagle3(Path(part))
     target = w.target
-    if not isinstance(target, FastLlamaLM):
+    if not isinstance(target, BatchLlama):
         raise ValueError(f"prophet '{part}' needs a plain Llama target on the lean path (such as smollm2)")
-    rows = target.rows
+    rows = target
     if rows.embed.shape[1] != net.dim or max(cfg["layers"]) >= rows.n_layers or rows.head_dim != net.head_dim:
         raise ValueError(f"prophet '{part}' was trained for a target with hidden size {net.dim} and more than "
                          f"{max(cfg['layers'])} layers; '{target.name}' has {rows.embed.shape[1]} and {rows.n_layers}")
@@ -486,15 +484,11 @@ def engine_for(decoder: Any, slots: int, costs: bool = True) -> Any:
 
 def _new_engine(decoder: Any, slots: int) -> Any:
     from specdec.batch import BatchEngine
-    from specdec.llama import supports
     from specdec.prophets.combine import combined
-    from specdec.rows import BatchLM, RowsLM
-    from specdec.sequence import FastLlamaLM
 
-    lean = isinstance(decoder.target, FastLlamaLM) and supports(decoder.target.model)
-    # a plain Llama on the lean path scores its rows in one batched pass; any other model
-    # (transformers, a toy) row by row through views of its own (specdec.rows)
-    target: BatchLM = decoder.target.rows.view(slots) if lean else RowsLM(decoder.target, slots)
+    # the same weights, caches of the engine's own: a plain Llama on the lean path scores its rows in
+    # one batched pass, any other model (transformers, a toy) row by row (specdec.rows)
+    target = decoder.target.view(slots)
     branches = getattr(decoder, "branches", 1)
     parts = [d.for_engine(target, slots, branches) for d in decoder.prophets]
     return BatchEngine(target, combined(parts, decoder.multi), decoder.eos_token_ids, decoder.tokenizer)

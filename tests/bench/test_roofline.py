@@ -35,7 +35,7 @@ def test_a_llama_step_reads_every_layer_the_head_and_one_embedding_row(tiny_pair
     import specdec
 
     dec = specdec.load(tiny_pair["target"], draft="none")
-    lw = dec.target.rows
+    lw = dec.target
     model = lw.model
     params = {id(p): p for p in model.parameters()}  # tied head and embedding once
     table = model.model.embed_tokens.weight
@@ -48,7 +48,7 @@ def test_a_llama_step_reads_every_layer_the_head_and_one_embedding_row(tiny_pair
     assert llama_step_bytes(lw) == expected - head_rows_cut
     assert kv_bytes(lw, 10) == 2 * lw.n_layers * lw.n_kv * lw.head_dim * 10 * 4
     assert target_step_bytes(dec.target, 10) == llama_step_bytes(lw) + kv_bytes(lw, 10)
-    half = specdec.load(tiny_pair["target"], draft="none", kv_dtype="float16").target.rows  # what the cache holds
+    half = specdec.load(tiny_pair["target"], draft="none", kv_dtype="float16").target  # what the cache holds
     assert half.kv_dtype == torch.float16 and kv_bytes(half, 10) == kv_bytes(lw, 10) // 2
 
 

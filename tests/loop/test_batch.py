@@ -23,9 +23,9 @@ from specdec.ragged import RaggedVerdict, verify_greedy_rows, verify_rows, verif
 from specdec.request import Request
 from specdec.rowpolicy import row_bucket
 from specdec.sampling import SamplingParams
-from specdec.sequence import FastLlamaLM
+from specdec.sequence import OneSequence
 from specdec.toy import MarkovLM, sequence_distribution
-from tests.helpers import ALPHA
+from tests.helpers import ALPHA, lean
 
 # ----------------------------------------------------------------- the ragged verifier
 
@@ -174,7 +174,7 @@ def assert_rows_match_unbatched(model, batch, slots, contexts, starts, n_logits)
     """Feed contexts[b][starts[b]:] into the batch; each row's logits must equal a fresh unbatched pass."""
     got = batch.forward(slots, starts, [c[s:] for c, s in zip(contexts, starts, strict=True)], n_logits)
     for b, (ctx, n) in enumerate(zip(contexts, n_logits, strict=True)):
-        want = FastLlamaLM(model, "ref").forward(ctx, n)
+        want = lean(model, "ref").forward(ctx, n)
         torch.testing.assert_close(got[b, :n], want, atol=1e-4, rtol=1e-4)
 
 
@@ -213,8 +213,8 @@ def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
     # every batch of 1..64 rows x 1..512 new tokens: few enough kernels for the 5 weight shapes
     assert 5 * len({row_bucket(b * n) for b in range(1, 65) for n in range(1, 513)}) < 1024
     model = smollm2_shaped().to(torch.bfloat16)
-    batch, fast = BatchLlama(model, "b", slots=2), FastLlamaLM(model, "f")
-    assert batch.bucket_rows and fast.bucket_rows and not BatchLlama(smollm2_shaped(), "f32", 1).bucket_rows
+    batch, fast = BatchLlama(model, "b", slots=2), lean(model, "f")
+    assert batch.bucket_rows and fast.lm.bucket_rows and not BatchLlama(smollm2_shaped(), "f32", 1).bucket_rows
     w = batch.layers[0]["gate_up"]
     for shape in [(1, 72), (3, 7, 72), (2, 17, 72)]:  # 21 and 34 rows are padded to 22 and 36 (or 32, 48)
         x = torch.randn(shape).to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_bfloat16_products_meet_few_row_counts_and_padding_changes_no_row():
     ids = [torch.randint(97, (n,), generator=g).tolist() for n in (19, 4)]
     got = batch.forward([0, 1], [0, 0], ids, [2, 2])
     for b, ctx in enumerate(ids):
-        torch.testing.assert_close(got[b], FastLlamaLM(model, "ref").forward(ctx, 2), atol=0.1, rtol=0.05)
+        torch.testing.assert_close(got[b], lean(model, "ref").forward(ctx, 2), atol=0.1, rtol=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -241,8 +241,8 @@ def test_verification_scores_exactly_what_one_token_steps_score(tiny_pair, dtype
     g = torch.Generator().manual_seed(3)
     ctx, new = torch.randint(97, (40,), generator=g).tolist(), torch.randint(97, (9,), generator=g).tolist()
     for prefix in (ctx[:1], ctx):
-        fast = FastLlamaLM(model, "f")
-        assert fast.exact_rows
+        fast = lean(model, "f")
+        assert fast.lm.exact_rows
         fast.forward(prefix, 1)
         singles = torch.cat([fast.forward([t], 1) for t in new])
         fast.truncate(len(prefix))
@@ -280,7 +280,7 @@ def test_batch_rows_score_exactly_what_the_request_alone_scores(dtype):
             batch.forward([b], [0], [ctx], [1])
     got = batch.forward([0, 1, 2, 3], [len(c) for c in contexts], feeds, [len(f) for f in feeds])
     for b, (ctx, feed) in enumerate(zip(contexts, feeds, strict=True)):
-        fast = FastLlamaLM(model, "f")
+        fast = lean(model, "f")
         fast.forward(ctx, 1)
         want = torch.cat([fast.forward([t], 1) for t in feed])  # one-token steps: plain decoding
         assert torch.equal(got[b, : len(feed)], want), b
@@ -302,7 +302,7 @@ def test_tree_rows_score_exactly_what_one_token_steps_score(tiny_pair, dtype):
     got = batch.forward([1], [len(ctx)], [chain + tokens], [len(tokens) + 1], trees=[parents])[0]
 
     def one_token_steps(seq):
-        fast = FastLlamaLM(model, "f")
+        fast = lean(model, "f")
         fast.forward(ctx, 1)
         return [fast.forward([t], 1)[0] for t in seq][-1]
 
@@ -341,7 +341,7 @@ def test_a_float32_verification_tree_runs_in_the_cpp_loop_and_scores_as_one_toke
     batch.forward([0], [0], [ctx[:-1]], [1])
     got = batch.forward([0], [len(ctx) - 1], [ctx[-1:] + tokens], [len(tokens) + 1], trees=[parents])[0]
     for i, seq in enumerate([[], [5], [5, 7], [5, 9], [5, 7, 11]]):
-        fast = FastLlamaLM(model, "f")
+        fast = lean(model, "f")
         fast.forward(ctx[:-1], 1)
         want = [fast.forward([t], 1)[0] for t in ctx[-1:] + seq][-1]
         assert torch.equal(got[i], want), i
@@ -981,19 +981,19 @@ def test_measuring_costs_on_running_rows_changes_nothing_they_do(prophet):
 
 
 def test_one_llama_path_the_decoders_views_share_the_weights_read_once(tiny_pair):
-    """FastLlamaLM is slot 0 of a one-slot BatchLlama; its fresh views and the decoder's engine
+    """The decoder's target is a one-slot BatchLlama; its views (another decoder's, the engine's)
     read the same weights (nothing fused, quantized or probed again), each with caches of its own."""
     from specdec import load
     from specdec.wiring import engine_for
 
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], draft_dtype=torch.float32)
     target, engine = decoder.target, engine_for(decoder, 4)
-    assert isinstance(target, FastLlamaLM) and isinstance(target.rows, BatchLlama) and target.rows.slots == 1
-    other = target.fresh()
-    for view in (other.rows, engine.target):
-        assert view.layers is target.rows.layers and view.embed is target.rows.embed
-        assert view.k_slots is not target.rows.k_slots
-    assert engine.target.slots == 4 and other.tokens == [] and other.forward_calls == 0
+    assert isinstance(target, BatchLlama) and target.slots == 1
+    other = OneSequence(target.view(1))
+    for view in (other.lm, engine.target):
+        assert view.layers is target.layers and view.embed is target.embed
+        assert view.k_slots is not target.k_slots
+    assert engine.target.slots == 4 and other.tokens == [] and other.lm.forward_calls == 0
     ids = decoder.prompt_ids("def f(x):")
     torch.testing.assert_close(other.forward(ids, 1)[0], engine.target.forward([2], [0], [ids], [1])[0, 0])
 

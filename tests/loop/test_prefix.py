@@ -245,7 +245,7 @@ def test_concurrent_requests_under_a_small_cache_get_their_own_answers(tiny_pair
     prompts = [docs[i % 3] + [9 + i] * (2 + i % 5) for i in range(12)]
     want = [plain.generate(p, max_new_tokens=8, temperature=0).text for p in prompts]
     decoder = load(tiny_pair["target"], draft="ngram", policy="fixed")
-    block_mib = 64 * decoder.target.rows.position_bytes() / 2**20
+    block_mib = 64 * decoder.target.position_bytes() / 2**20
     config = ServerConfig(warm_up=False, prefix_cache_mb=5 * block_mib, max_batch=4)
     answers: dict[int, httpx.Response] = {}
     with serve_in_thread(create_app(decoder, "tiny", config)) as url, httpx.Client(base_url=url, timeout=120) as c:

@@ -92,7 +92,7 @@ def test_lean_float32_path_multiplies_through_it(monkeypatch: pytest.MonkeyPatch
     step's head rows equal the same rows multiplied alone (what a verification pass scores)."""
     from specdec import load
 
-    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target
     calls: list[tuple[int, ...]] = []
     real = qgemm.f32_product
 

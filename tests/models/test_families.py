@@ -11,8 +11,8 @@ import torch
 
 from specdec import families, load
 from specdec.certify import goodness_of_fit
-from specdec.sequence import FastLlamaLM
-from tests.helpers import ALPHA
+from specdec.llama import BatchLlama
+from tests.helpers import ALPHA, lean
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 WINDOW = 8  # sliding windows this short, so that every test crosses them
@@ -80,7 +80,7 @@ def test_logits_equal_transformers_in_float32(family):
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0]
-    lm = FastLlamaLM(model, family)
+    lm = lean(model, family)
     got = torch.cat([lm.forward(ids[:20], 20), lm.forward(ids[20:30], 10), *(lm.forward([t], 1) for t in ids[30:])])
     assert float((got - want).abs().max()) <= TOLERANCE
     lm.truncate(25)  # a rollback is a length change: re-scored tokens score as before
@@ -97,8 +97,8 @@ def test_without_its_windows_a_family_scores_otherwise(family):
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0]
-    lm = FastLlamaLM(model, family)
-    lm.rows.arch = dataclasses.replace(lm.rows.arch, windows=())
+    lm = lean(model, family)
+    lm.lm.arch = dataclasses.replace(lm.lm.arch, windows=())
     assert float((lm.forward(ids, 40) - want).abs().max()) > 100 * TOLERANCE
 
 
@@ -109,7 +109,7 @@ def test_a_model_no_family_runs_goes_to_transformers_with_a_reason():
     model = T.GPT2LMHeadModel(cfg)
     assert "no family file" in (families.why_not(model) or "")
     with pytest.raises(ValueError, match="cannot run on the fast path"):
-        FastLlamaLM(model, "gpt2")
+        lean(model, "gpt2")
     rope = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                             num_attention_heads=2, rope_parameters={"rope_type": "dynamic",
                                                                                     "rope_theta": 10000.0,
@@ -124,7 +124,7 @@ PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n    def __in
 def test_greedy_speculative_equals_plain_for_every_row_path(family, family_dirs):
     target, close = family_dirs[family, "target"], family_dirs[family, "close"]
     plain = load(target, draft="none")
-    assert isinstance(plain.target, FastLlamaLM), "the family runs on the fast path"
+    assert isinstance(plain.target, BatchLlama), "the family runs on the fast path"
     want = [plain.generate(p, max_new_tokens=24, temperature=0).token_ids for p in PROMPTS]
     chain = load(target, draft=close, draft_tokens=4, policy="fixed")
     tree = load(target, draft=f"{close}+ngram", draft_tokens=3, multi="tree", policy="fixed")
@@ -189,7 +189,7 @@ def test_the_cpp_loop_computes_the_python_loops_bits_for_every_family(family, dt
 
     if not qgemm.available():
         pytest.skip(f"the extension does not build here: {qgemm.why_unavailable()}")
-    lm = load(family_dirs[family, "target"], draft="none", dtype=dtype).target.rows
+    lm = load(family_dirs[family, "target"], draft="none", dtype=dtype).target
     assert layerloop.stack_for(lm) is not None
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
@@ -198,4 +198,4 @@ def test_the_cpp_loop_computes_the_python_loops_bits_for_every_family(family, dt
 def test_gemma2_keeps_the_python_loop(family_dirs):
     from specdec import layerloop
 
-    assert layerloop.stack_for(load(family_dirs["gemma2", "target"], draft="none").target.rows) is None
+    assert layerloop.stack_for(load(family_dirs["gemma2", "target"], draft="none").target) is None

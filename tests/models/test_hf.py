@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import load
 from specdec.errors import ContextLengthError, ModelLoadError, VocabularyMismatchError
-from specdec.hf import HFCausalLM
+from specdec.hf import HFSequence
+from specdec.sequence import OneSequence
 from specdec.wiring import wrap
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n    def __init__(self", "# Copyright",
@@ -58,14 +59,12 @@ def test_close_prophet_accepts_more_than_far(tiny_pair):
 def test_cache_truncate_then_reextend_matches_fresh_forward(tiny_pair, backend):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     ids = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    fresh = HFCausalLM(model, "t").forward(ids, len(ids))  # (30, V), transformers' own forward
-    lm = wrap(model, "t", model.config.vocab_size, backend)
+    fresh = HFSequence(model, "t").forward(ids, len(ids))  # (30, V), transformers' own forward
+    lm = OneSequence(wrap(model, "t", model.config.vocab_size, backend))
     lm.forward(ids[:12], 1)
     lm.forward([7, 8, 9, 10, 11], 5)  # a draft that will be rejected
     lm.truncate(12)
     assert lm.tokens == ids[:12]
-    if backend == "hf":
-        assert lm.cache.get_seq_length() == 12
     again = lm.forward(ids[12:], len(ids) - 12)
     assert torch.allclose(again, fresh[12:], atol=1e-4)
 
@@ -75,16 +74,16 @@ def test_tree_forward_matches_chain_forward_and_keeps_the_path(tiny_pair, backen
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
     ctx = [5, 6, 7, 8, 9, 10]
     tokens, parents = [11, 12, 13, 14, 15], [-1, 0, -1, 2, 3]  # two branches: 11-12 and 13-14-15
-    lm = wrap(model, "t", model.config.vocab_size, backend)
+    lm = OneSequence(wrap(model, "t", model.config.vocab_size, backend))
     lm.forward(ctx[:4], 1)
     tree_logits = lm.forward_tree(ctx[4:], tokens, parents)
     for path in ([0, 1], [2, 3, 4]):
-        ref = HFCausalLM(model, "r").forward(ctx + [tokens[n] for n in path], len(path) + 1)
+        ref = HFSequence(model, "r").forward(ctx + [tokens[n] for n in path], len(path) + 1)
         assert torch.allclose(tree_logits[[0] + [n + 1 for n in path]], ref, atol=1e-4)
-    lm.keep_tree_path(2, [2, 3], tokens)
+    lm.keep_tree_path([2, 3])
     assert lm.tokens == ctx + [13, 14]
     nxt = lm.forward([99], 1)
-    ref = HFCausalLM(model, "r").forward(ctx + [13, 14, 99], 1)
+    ref = HFSequence(model, "r").forward(ctx + [13, 14, 99], 1)
     assert torch.allclose(nxt, ref, atol=1e-4)
 
 

@@ -1,4 +1,4 @@
-"""The transformers path (`specdec.hf.HFCausalLM`) on tiny random models of every family people
+"""The transformers path (`specdec.hf.HFSequence`) on tiny random models of every family people
 run, each built from its transformers config (tests/families.py): full attention (Llama, Qwen3),
 sliding windows on every layer (Mistral, Phi-3), sliding and full layers mixed (Qwen2, Gemma 2,
 Gemma 3), and generation configs asking transformers for its static, hybrid and quantized
@@ -15,7 +15,7 @@ import torch
 
 from specdec import load
 from specdec.decoder import SpeculativeDecoder
-from specdec.hf import HFCausalLM
+from specdec.hf import HFLM, HFSequence
 from specdec.policy import Policy
 from specdec.prophets.base import BatchDraft
 from tests.families import FAMILIES, VOCAB, WINDOW, make_family_model, save_family_model
@@ -43,7 +43,7 @@ def test_truncate_then_feed_on_equals_a_fresh_forward(family):
     name, model = family
     seq = ids(5 * WINDOW, 0)
     want = fresh_logits(model, seq)
-    lm = HFCausalLM(model, name)
+    lm = HFSequence(model, name)
     lm.forward(seq[:20], 1)
     lm.forward(ids(6, 1), 6)  # a draft past the window, rejected whole
     lm.truncate(20)
@@ -59,7 +59,7 @@ def test_truncate_then_feed_on_equals_a_fresh_forward(family):
 @pytest.mark.parametrize("name", SLIDING)
 def test_transformers_own_sliding_cache_cannot_roll_back_past_the_window(name):
     """The negative control: the cache transformers builds for these configs evicts what leaves
-    the window, so the test above would crash on it (the crash HFCausalLM's own cache avoids)."""
+    the window, so the test above would crash on it (the crash HFSequence's own cache avoids)."""
     from transformers import DynamicCache
 
     model = make_family_model(name)
@@ -74,7 +74,7 @@ def test_a_tree_pass_equals_its_chains_past_the_window(family):
     name, model = family
     ctx = ids(3 * WINDOW, 3)
     tokens, parents = ids(7, 4), [-1, 0, 1, -1, 3, 4, 0]  # branches 0-1, 3-4-5, 0-6
-    lm = HFCausalLM(model, name)
+    lm = HFSequence(model, name)
     lm.forward(ctx[:-2], 1)
     tree = lm.forward_tree(ctx[-2:], tokens, parents)  # (1 + 7, V)
     for path in ([0, 1], [3, 4, 5], [0, 6]):
@@ -91,7 +91,7 @@ def test_features_are_what_the_head_read_and_logits_the_models_own(family):
     hidden states its head multiplied."""
     name, model = family
     seq = ids(2 * WINDOW, 5)
-    logits, hidden = HFCausalLM(model, name).forward_features(seq, 3)
+    logits, hidden = HFSequence(model, name).forward_features(seq, 3)
     assert torch.allclose(logits, fresh_logits(model, seq)[-3:], atol=ATOL)
     head = model.get_output_embeddings().weight.detach()
     raw = hidden @ head.T.float()
@@ -142,10 +142,10 @@ class ForcedProphet:
 def test_greedy_speculative_equals_plain_with_forced_rejections(family):
     name, model = family
     prompts = [ids(5, 10 + i) for i in range(3)]
-    plain = SpeculativeDecoder(HFCausalLM(model, name))
+    plain = SpeculativeDecoder(HFLM(model, name))
     want = {tuple(p): plain.generate(p, max_new_tokens=4 * WINDOW, temperature=0).token_ids for p in prompts}
     prophet = ForcedProphet(want)
-    spec = SpeculativeDecoder(HFCausalLM(model, name), prophet, policy=Policy(4))
+    spec = SpeculativeDecoder(HFLM(model, name), prophet, policy=Policy(4))
     for p in prompts:
         out = spec.generate(p, max_new_tokens=4 * WINDOW, temperature=0)
         assert out.token_ids == want[tuple(p)]

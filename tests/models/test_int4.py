@@ -27,6 +27,7 @@ from specdec.int4 import (
     rows_invariant,
     unpermute_rows,
 )
+from specdec.sequence import OneSequence
 from tests.helpers import ALPHA, sample_continuations
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.",
@@ -124,7 +125,7 @@ def test_smollm2_blocks_are_read_as_gguf_and_transformers_read_them(smollm2_int4
 def test_the_embedding_is_the_gguf_blocks_with_the_float_tables_bits(smollm2_int4):
     """The int4 target looks its tokens up in the file's Q8_0 blocks (a quarter of the float
     table's memory), and every row, in any index shape, has the float table's very bits."""
-    rows = smollm2_int4.target.rows
+    rows = smollm2_int4.target
     table = rows.model.model.embed_tokens.weight.detach()
     assert isinstance(rows.embed, BlockEmbedding) and rows.embed.shape == table.shape
     assert rows.embed.nbytes < table.numel() * 4 / 3
@@ -187,7 +188,7 @@ def test_a_verification_pass_scores_what_one_token_steps_score(smollm2_int4):
 
 def _assert_a_pass_scores_as_steps(decoder) -> None:
     """The whole int4 forward: 9 tokens scored in one pass give, bit for bit, the logits of 9 one-token steps."""
-    lm = decoder.target.fresh()
+    lm = OneSequence(decoder.target.view(1))
     prompt = decoder.chat_ids([{"role": "user", "content": QUESTIONS[0]}])
     tail = [504, 3458, 282, 4649, 314, 7042, 30, 216, 198]
     lm.forward(prompt, 1)
@@ -260,9 +261,9 @@ def _assert_two_token_samples_fit(tiny_pair) -> None:
     """Chi-square of the int4 tiny pair's speculative two-token continuations (K 3, a close
     prophet) against the exact distribution of its one-token steps."""
     decoder = load(tiny_pair["target"], draft=tiny_pair["close"], policy="fixed", draft_tokens=3, dtype="int4")
-    assert decoder.target.rows.kv_dtype == torch.float16  # so this certifies the float16 cache too
+    assert decoder.target.kv_dtype == torch.float16  # so this certifies the float16 cache too
     prompt = decoder.tokenizer("def add(a, b):\n    return")["input_ids"]
-    lm = decoder.target.fresh()
+    lm = OneSequence(decoder.target.view(1))
     first = torch.softmax(lm.forward(prompt, 1)[0], -1)
     exact = {}
     for t1 in torch.nonzero(first > 0).flatten().tolist():

@@ -68,7 +68,7 @@ def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built,
     if kernel == "blocks16" and not qgemm.has_bf16_kernel():
         pytest.skip("no bfloat16 kernel on this CPU (avx512_bf16)")
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
-    lm = load("smollm2", draft="none", dtype="int4").target.rows
+    lm = load("smollm2", draft="none", dtype="int4").target
     assert lm.int4_kernel == kernel
     # on specdec's block kernels, steps and verification passes run on raw buffers (Stack.run_raw)
     assert layerloop.stack_for(lm).raw == (kernel != "torch")
@@ -81,7 +81,7 @@ def test_a_token_trees_nodes_score_as_one_token_steps_in_the_cpp_loop(built, mon
     """Through the C++ loop (4-bit SmolLM2, its default kernel), a tree's every node scores what the
     one-token step at its place computes: each node's logits equal the last ones of a verification
     pass of its path alone, bit for bit, and the tree pass runs in C++ (not the Python loop)."""
-    lm = load("smollm2", draft="none", dtype="int4").target.rows.view(1)
+    lm = load("smollm2", draft="none", dtype="int4").target.view(1)
     assert layerloop.stack_for(lm) is not None and lm.exact_rows
     ctx = [1 + (37 * i) % 900 for i in range(75)]
     parents, tokens = [-1, -1, 0, 0, 1, 2, 5, -1], [11, 22, 33, 44, 55, 66, 77, 88]
@@ -103,7 +103,7 @@ def test_a_token_trees_nodes_score_as_one_token_steps_in_the_cpp_loop(built, mon
 
 
 def test_the_cpp_loop_computes_the_python_loops_bits_in_float32(monkeypatch, built, tiny_pair):
-    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
 
@@ -111,8 +111,8 @@ def test_the_cpp_loop_computes_the_python_loops_bits_in_float32(monkeypatch, bui
 def test_the_python_loop_runs_where_the_cpp_one_does_not_apply(monkeypatch, built, tiny_pair):
     """bfloat16 weights, the int8 copy and SPECDEC_LAYER_LOOP=python keep the Python loop; an
     unknown choice is an error naming the choices."""
-    assert layerloop.stack_for(load(tiny_pair["target"], draft="none", dtype="bfloat16").target.rows) is None
-    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    assert layerloop.stack_for(load(tiny_pair["target"], draft="none", dtype="bfloat16").target) is None
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target
     assert layerloop.stack_for(lm) is not None
     assert layerloop.stack_for(BatchLlama(lm.model, "copy", 2, int8=True)) is None
     monkeypatch.setenv("SPECDEC_LAYER_LOOP", "python")
@@ -224,18 +224,18 @@ def test_a_4bit_target_keeps_its_cache_in_float16_and_both_loops_agree(monkeypat
     and values rounded alike as they are written); its memory per position is half; the
     float32 choice keeps float32; an unknown choice is an error naming the choices."""
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "float16")
-    lm = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    lm = load(tiny_pair["target"], draft="none", dtype="float32").target
     assert lm.kv_dtype == torch.float16
     (cpp, cpp_cache), (python, python_cache) = _both(lm, monkeypatch, _passes)
     assert cpp_cache[0][0].dtype == torch.float16
     assert _equal(cpp, python) and _equal(cpp_cache, python_cache)
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
-    wide = load(tiny_pair["target"], draft="none", dtype="float32").target.rows
+    wide = load(tiny_pair["target"], draft="none", dtype="float32").target
     assert wide.kv_dtype == torch.float32 and wide.position_bytes() == 2 * lm.position_bytes()
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "auto")
-    assert load(tiny_pair["target"], draft="none", dtype="float32").target.rows.kv_dtype == torch.float32
-    assert load("smollm2", draft="none", dtype="int4").target.rows.kv_dtype == torch.float16
-    assert load(tiny_pair["target"], draft="none", dtype="bfloat16").target.rows.kv_dtype == torch.bfloat16
+    assert load(tiny_pair["target"], draft="none", dtype="float32").target.kv_dtype == torch.float32
+    assert load("smollm2", draft="none", dtype="int4").target.kv_dtype == torch.float16
+    assert load(tiny_pair["target"], draft="none", dtype="bfloat16").target.kv_dtype == torch.bfloat16
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "half")
     with pytest.raises(ValueError, match="auto, float32, float16"):
         load(tiny_pair["target"], draft="none", dtype="float32")
@@ -249,9 +249,9 @@ def test_load_and_the_cli_choose_the_cache_dtype(monkeypatch, tiny_pair):
     from specdec.cli import main
 
     monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
-    lm = load(tiny_pair["target"], draft="none", dtype="float32", kv_dtype="float16").target.rows
+    lm = load(tiny_pair["target"], draft="none", dtype="float32", kv_dtype="float16").target
     assert lm.kv_dtype == torch.float16 and lm.view(2).kv_dtype == torch.float16
-    assert load(tiny_pair["target"], draft="none", dtype="float32").target.rows.kv_dtype == torch.float32
+    assert load(tiny_pair["target"], draft="none", dtype="float32").target.kv_dtype == torch.float32
     with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16"):
         load(tiny_pair["target"], draft="none", kv_dtype="half")
     seen = []
@@ -259,7 +259,7 @@ def test_load_and_the_cli_choose_the_cache_dtype(monkeypatch, tiny_pair):
 
     def spy(*args, **kwargs):
         decoder = real_load(*args, **kwargs)
-        seen.append(decoder.target.rows.kv_dtype)
+        seen.append(decoder.target.kv_dtype)
         return decoder
 
     monkeypatch.setattr("specdec.api.load", spy)

@@ -137,7 +137,7 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
 
     decoder = load("smollm2", draft=str(models_dir() / "smollm2-eagle"), policy="fixed", draft_tokens=4)
     prophet = decoder.prophets[0]
-    head = decoder.target.rows.lm_head
+    head = decoder.target.lm_head
     if not (isinstance(head, Int4Weight) and head.blocks is not None):
         assert prophet.block_head is None  # a float head, or PyTorch's int4 kernel: the float rows
         return

@@ -135,7 +135,7 @@ def test_an_identity_adapter_is_plain_early_exit(tiny_pair):
     full = torch.arange(target.vocab_size)
     adapted = AdaptedExitProphet(target, toy_adapter(target.head().shape[1], identity=True), full, "kangaroo")
     plain_exit = LayerSkipProphet(target, 1)
-    rows = target.rows.view(1)  # an engine's view of the target, one slot
+    rows = target.view(1)  # an engine's view of the target, one slot
     rows.forward([0], [0], [[1, 5, 9]], [1])
 
     def q(prophet):  # the prophet's q for the token after [1, 5, 9, 4], the row's first 3 in the slot

@@ -18,6 +18,7 @@ from specdec.prophets.ngram import NgramProphet, lookup, lookup_reference
 from specdec.prophets.retrieval import WIDTH, Datastore, RetrievalProphet
 from specdec.request import Request
 from specdec.sampling import SamplingParams, sample
+from specdec.sequence import OneSequence
 from specdec.toy import MarkovLM
 from tests.helpers import fit_against_exact
 from tests.models.test_hf import PROMPTS
@@ -112,10 +113,10 @@ def test_early_exit_never_edits_the_models_config(tiny_pair):
     (which another request's decoder may share) keeps all its layers, during and after."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.hf import HFCausalLM
+    from specdec.hf import HFSequence
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
-    lm = HFCausalLM(model, "t")
+    lm = HFSequence(model, "t")
     seen = []
     last = model.model.layers[-1]
     first = model.model.layers[0]
@@ -138,7 +139,7 @@ def test_early_exit_equals_a_truncated_model(tiny_pair, backend):
     from specdec.wiring import wrap
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
-    lm = wrap(model, "t", model.config.vocab_size, backend)
+    lm = OneSequence(wrap(model, "t", model.config.vocab_size, backend))
     lm.forward([5, 6, 7], 1)
     got = lm.early_exit([8, 9], 2)
     lm.end_early_exit(3)
@@ -148,7 +149,7 @@ def test_early_exit_equals_a_truncated_model(tiny_pair, backend):
         want = model.lm_head(model.model.norm(hidden))[0, -1]
     assert torch.allclose(got, want, atol=1e-4)
     # the full pass after drafting sees only the committed tokens
-    fresh = wrap(model, "r", model.config.vocab_size, backend).forward([5, 6, 7, 10], 1)
+    fresh = OneSequence(wrap(model, "r", model.config.vocab_size, backend)).forward([5, 6, 7, 10], 1)
     assert torch.allclose(lm.forward([10], 1), fresh, atol=1e-4)
 
 

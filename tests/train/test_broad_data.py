@@ -208,7 +208,7 @@ def test_features_of_the_int4_model_from_several_id_files(tmp_path):
     first = torch.load(shards[0], weights_only=False)
     again = torch.load(shards[n_shards], weights_only=False)
     assert first["ids"] == again["ids"] and "fused" not in first and first["features"] == "int4"
-    lm = specdec.load("smollm2", draft="none").target.rows.view(1)
+    lm = specdec.load("smollm2", draft="none").target.view(1)
     floats = features_from_ids(tmp_path / "one.npz", tmp_path / "bf16", rows=3, log=lambda *a: None, fused=False)
     float_first = torch.load(sorted(floats.glob("shard-*.pt"))[0], weights_only=False)
     for ids, hidden, other in zip(first["ids"], first["hidden"], float_first["hidden"], strict=True):

@@ -180,7 +180,7 @@ def test_training_reads_what_the_serving_prophet_and_the_target_read(tmp_path):
     target = tiny_model("gemma2", tmp_path)
     decoder = load(target, draft="none")
     embed, head, softcap = anytarget.training_tensors(decoder)
-    assert softcap == decoder.target.rows.arch.final_softcap == 30.0
+    assert softcap == decoder.target.arch.final_softcap == 30.0
     path = tmp_path / "eagle"
     vocab = torch.arange(0, 4000)
     save_head(FeatureHead("eagle", head.shape[1], 32), vocab, path, {})
@@ -188,7 +188,7 @@ def test_training_reads_what_the_serving_prophet_and_the_target_read(tmp_path):
     assert torch.equal(prophet.embed, embed) and torch.equal(prophet.head_weight, head[vocab])
 
     ids = decoder.prompt_ids("The sea and the sky")
-    logits, hidden = decoder.target.rows.view(1).forward_features([0], [0], [ids], [len(ids)])
+    logits, hidden = decoder.target.view(1).forward_features([0], [0], [ids], [len(ids)])
     from specdec.train.features import FeatureData
 
     def Stored(h):  # noqa: N802 (features as the trainer holds them; only `hidden` is read here)

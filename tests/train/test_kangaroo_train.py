@@ -5,14 +5,14 @@ lowers the distillation loss from where plain early exit starts."""
 import torch
 
 from specdec.prophets.feature import FeatureHead
-from specdec.sequence import FastLlamaLM
 from specdec.train.features import _loss, _unroll, early_features, load_shards, train_head
 from specdec.wiring import load_pretrained
+from tests.helpers import lean
 
 
 def test_kangaroo_trains_from_early_exit_features(tiny_pair, tmp_path):
     model, _ = load_pretrained(tiny_pair["target"], torch.float32)
-    lm = FastLlamaLM(model, "tiny")
+    lm = lean(model, "tiny")
     g = torch.Generator().manual_seed(0)
     shard = {"ids": [], "hidden": [], "prompt_len": []}
     for _ in range(24):  # self-distillation shards as selfdistill writes them: ids, last hidden state
@@ -25,7 +25,7 @@ def test_kangaroo_trains_from_early_exit_features(tiny_pair, tmp_path):
     early = early_features(tiny_pair["target"], tmp_path, 1, log=lambda *a: None)
     lm.truncate(0)
     want = lm.early_exit_features(shard["ids"][0][:39], 1, n_last=39)
-    assert early.shape == (24 * 39, lm.embed.shape[1])
+    assert early.shape == (24 * 39, lm.lm.embed.shape[1])
     assert torch.allclose(early[:39].float(), want, atol=0.05)  # stored in bf16
     assert (tmp_path / "early-1.pt").exists()
 

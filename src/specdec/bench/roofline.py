@@ -65,9 +65,8 @@ def target_step_bytes(target: Any, context: int = 0) -> int | None:
     `context`), or None where the target has no weights of its own to count."""
     from specdec.llama import LlamaWeights
 
-    rows = getattr(target, "rows", target)
-    if isinstance(rows, LlamaWeights):
-        return llama_step_bytes(rows) + kv_bytes(rows, context)
+    if isinstance(target, LlamaWeights):
+        return llama_step_bytes(target) + kv_bytes(target, context)
     model = getattr(target, "model", None)
     if isinstance(model, torch.nn.Module):  # a transformers model: every parameter once (tied ones once)
         return weight_bytes(model)

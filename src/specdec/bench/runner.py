@@ -20,8 +20,8 @@ import torch
 from specdec.costmodel import expected_tokens_per_round
 from specdec.data.prompts import BenchPrompt
 from specdec.decoder import SpeculativeDecoder
-from specdec.hf import HFCausalLM
-from specdec.lm import attention_backends
+from specdec.lm import LM, attention_backends
+from specdec.sequence import OneSequence
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,13 @@ def hf_generate_fn(model: Any, settings: dict[str, Any], eos: list[int], **extra
     return run
 
 
-def measure_costs(target: HFCausalLM, prophet_lm: HFCausalLM | None, context: list[int], ks: list[int],
+def measure_costs(target: LM, prophet_lm: LM | None, context: list[int], ks: list[int],
                   repeats: int = 15) -> dict[str, float]:
     """c = t_draft(1) / t_target(1) and v(K) = t_target(K+1) / t_target(1), medians. The
     context is cut from the left to leave room for the longest pass within the target's context."""
     context = context[max(0, len(context) + max(ks, default=0) + 1 - target.max_length):]
-    def timed(lm: HFCausalLM, n: int) -> float:
-        lm.truncate(0)
+    def timed(model: LM, n: int) -> float:
+        lm = OneSequence(model.view(1))
         lm.forward(context, 1)
         times = []
         for _ in range(repeats):
@@ -109,7 +109,6 @@ def measure_costs(target: HFCausalLM, prophet_lm: HFCausalLM | None, context: li
             lm.forward(context[:n] if n <= len(context) else [1] * n, n)
             times.append(time.perf_counter() - t0)
             lm.truncate(len(context))
-        lm.truncate(0)
         return statistics.median(times)
 
     with attention_backends(target.device):  # as the loop attends (specdec.lm.attention_backends)

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
+from specdec.lm import LM
 from specdec.request import Request
-from specdec.rows import BatchLM
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import DraftTree
 
@@ -49,7 +49,7 @@ class Prophet(Protocol):
     vocab_size: int | None = None  # the ids it scores (None: not a model); the target's
     reads_features: bool = False  # drafts from the target's feature at each row's last position (`Request.feature`)
     fused_layers: tuple[int, ...] = ()  # target layers whose outputs it drafts from (`Request.fused`)
-    draft_lm: BatchLM | None = None  # its own draft model, whose cache slots the engine frees with the rows'
+    draft_lm: LM | None = None  # its own draft model, whose cache slots the engine frees with the rows'
     is_lookup: bool = False  # drafts with no weights (cost ~0): timed alone, its drafts cut after drafting
     model_steps: bool = False  # one model pass per drafted token: the step's K is chosen before it drafts
     combine: str | None = None  # "first" or "tree": a combiner of `parts`, each a prophet
@@ -59,7 +59,7 @@ class Prophet(Protocol):
         """The prophets one by one (several in a combiner)."""
         return [self]
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> Prophet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> Prophet:
         """This prophet for an engine of `slots` cache slots over `target` (the engine's view of
         the target): the same weights, slots of its own. branches > 1: a prophet that can grow a
         token tree per row grows up to this many children a node."""

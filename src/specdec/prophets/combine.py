@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.lm import LM
 from specdec.policy import best_first
 from specdec.prophets.base import BatchDraft, Budget, Prophet, padded_q
 from specdec.request import Request
-from specdec.rows import BatchLM
 from specdec.verify import DraftTree
 
 
@@ -59,7 +59,7 @@ class FirstProphet(Combined):
         super().__init__(parts)
         self.best = best
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> FirstProphet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> FirstProphet:
         return FirstProphet([p.for_engine(target, slots, branches) for p in self.parts], self.best)
 
     def _order(self, req: Request) -> list[str]:
@@ -128,7 +128,7 @@ class TreeProphet(Combined):
 
     combine = "tree"
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> TreeProphet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> TreeProphet:
         return TreeProphet([p.for_engine(target, slots, branches) for p in self.parts])
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int], budget: Budget | None = None) -> BatchDraft:

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.lm import LM
 from specdec.prophets.base import BatchDraft, Budget, Prophet, probs_by_params
 from specdec.request import Request, keep_drafting_rows, row_cached, row_slot, set_row_cached
-from specdec.rows import BatchLM
 from specdec.sampling import check_logits, draw
 
 KIND = "eagle3"
@@ -371,7 +371,7 @@ class Eagle3Prophet(Prophet):
         self.fused_layers = runtime.layers
         self.full_vocab = int(runtime.embed.shape[0])  # the target's vocabulary, where q is placed
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> Eagle3Prophet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> Eagle3Prophet:
         from specdec.llama import BatchLlama
 
         if not isinstance(target, BatchLlama):

@@ -36,10 +36,9 @@ from torch import nn
 from specdec import qgemm
 from specdec.branching import TreeBudget, draw_gains, fit_scale
 from specdec.grammar import mask_draft
-from specdec.lm import tree_depths
+from specdec.lm import LM, tree_depths
 from specdec.prophets.base import BatchDraft, Budget, Prophet, in_row_order, probs_by_params
 from specdec.request import Request, batch_free, keep_drafting_rows
-from specdec.rows import BatchLM
 from specdec.sampling import check_logits, draw
 from specdec.verify import DraftTree
 
@@ -229,7 +228,7 @@ class FeatureProphet(Prophet):
         return self.block_head is not None and all(getattr(b, "products", None) is not None
                                                    for b in self.head.blocks)
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> FeatureProphet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> FeatureProphet:
         other = copy.copy(self)
         other.branches = branches if self.head.kind == "eagle" else 1
         return other

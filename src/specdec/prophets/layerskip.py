@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from specdec.lm import LM
 from specdec.prophets.feature import FeatureHead, full_vocab_logits
 from specdec.prophets.model import ModelSteps
 from specdec.request import Request
-from specdec.rows import BatchLM
 
 
 class LayerSkipProphet(ModelSteps):
@@ -26,19 +26,19 @@ class LayerSkipProphet(ModelSteps):
         full = target.n_layers
         if not 1 <= layers < full:
             raise ValueError(f"layerskip:L needs 1 <= L < {full} (the target's layers), got {layers}")
-        self.target = target  # the decoder's target (a CausalLM)
+        self.target = target  # the decoder's target (an LM)
         self.layers = layers
         self.name = f"layerskip:{layers}"
         self.vocab_size: int | None = target.vocab_size
-        self.target_rows: BatchLM | None = None  # an engine's view of the target (for_engine)
+        self.target_rows: LM | None = None  # an engine's view of the target (for_engine)
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> LayerSkipProphet:
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> LayerSkipProphet:
         other = copy.copy(self)
         other.target_rows = target
         return other
 
     @property
-    def rows(self) -> BatchLM:
+    def rows(self) -> LM:
         assert self.target_rows is not None, "a decoder's prophet drafts through its engine's view (for_engine)"
         return self.target_rows
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import torch
 
 from specdec.grammar import mask_draft
-from specdec.lm import CausalLM
+from specdec.lm import LM
 from specdec.prophets.base import BatchDraft, Budget, Prophet, probs_by_params
 from specdec.request import Request, keep_drafting_rows, row_cached, row_slot
-from specdec.rows import BatchLM, RowsLM, prefill_rows
+from specdec.rows import prefill_rows
 from specdec.sampling import draw
 
 
@@ -25,7 +25,7 @@ class ModelSteps(Prophet):
     name: str
 
     @property
-    def rows(self) -> BatchLM:
+    def rows(self) -> LM:
         """The model the rows draft with."""
         raise NotImplementedError
 
@@ -79,25 +79,19 @@ class ModelSteps(Prophet):
 
 
 class ModelProphet(ModelSteps):
-    """lm: the model (one sequence); its batched view with an engine's slots (`draft_lm`) is
-    made by `for_engine`: the lean Llama path's `BatchLlama` where lm is on it, else a view per slot."""
+    """lm: the model; its view with an engine's slots (`draft_lm`, the same weights) is made by
+    `for_engine`."""
 
-    def __init__(self, lm: CausalLM, name: str | None = None, rows: BatchLM | None = None) -> None:
+    def __init__(self, lm: LM, name: str | None = None, rows: LM | None = None) -> None:
         self.lm = lm
         self.name = name or lm.name
         self.vocab_size: int | None = lm.vocab_size
         self.draft_lm = rows
 
-    def for_engine(self, target: BatchLM, slots: int, branches: int = 1) -> ModelProphet:
-        from specdec.llama import BatchLlama
-        from specdec.sequence import FastLlamaLM
-
-        lm = self.lm
-        rows: BatchLM = BatchLlama(lm.model, self.name, slots, target.vocab_size, int8=lm.int8,
-                                   act_dtype=lm.act_dtype) if isinstance(lm, FastLlamaLM) else RowsLM(lm, slots)
-        return ModelProphet(lm, self.name, rows)
+    def for_engine(self, target: LM, slots: int, branches: int = 1) -> ModelProphet:
+        return ModelProphet(self.lm, self.name, self.lm.view(slots))
 
     @property
-    def rows(self) -> BatchLM:
+    def rows(self) -> LM:
         assert self.draft_lm is not None, "a decoder's prophet drafts through its engine's view (for_engine)"
         return self.draft_lm

@@ -158,10 +158,10 @@ def load_lean(target: str) -> Any:
     """The decoder users run for `target`, plain (`specdec.load(target, draft="none")`), on the lean path."""
     import specdec
     from specdec import families
-    from specdec.sequence import FastLlamaLM
+    from specdec.llama import BatchLlama
 
     decoder = specdec.load(target, draft="none")
-    if not isinstance(decoder.target, FastLlamaLM):
+    if not isinstance(decoder.target, BatchLlama):
         why = families.why_not(getattr(decoder.target, "model", None))
         raise SpecdecError(f"distill needs a model of a family on specdec's lean path (Llama, Mistral, Qwen2/3, "
                            f"Gemma 2/3, Phi-3); '{target}' runs on transformers' forward ({why})")
@@ -175,7 +175,7 @@ def training_tensors(decoder: Any) -> tuple[Any, torch.Tensor, float | None]:
     target = decoder.target
     embed = target.embeddings()  # a float table, or a GGUF file's Q8_0 rows (`int4.BlockEmbedding`: looked up alike)
     return (embed.detach().float() if isinstance(embed, torch.Tensor) else embed, target.head().detach().float(),
-            target.rows.arch.final_softcap)
+            target.arch.final_softcap)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -351,7 +351,7 @@ def read_features(decoder: Any, work: Work, paths: list[Path], log: Log, rows: i
 
     from specdec.train.selfdistill import save_atomic
 
-    lm = decoder.target.rows.view(rows)  # the same weights, caches of its own
+    lm = decoder.target.view(rows)  # the same weights, caches of its own
     total = 0.0
     with Progress(TextColumn("stage 2 of 3, features"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True)) as bar:

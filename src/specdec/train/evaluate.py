@@ -17,7 +17,8 @@ import torch
 
 from specdec.data.corpus import list_files, read_text
 from specdec.data.prompts import build_suite
-from specdec.hf import HFCausalLM
+from specdec.hf import HFLM
+from specdec.sequence import OneSequence
 from specdec.train.lm import fixed_eval_windows, heldout_loss
 
 SPLIT = (4, "specdec-split-v1")
@@ -33,7 +34,7 @@ def heldout_tokens(tokenizer: Any) -> np.ndarray:
 
 
 def step_time(model: Any, context: list[int], repeats: int = 30) -> float:
-    lm = HFCausalLM(model, "m")
+    lm = OneSequence(HFLM(model, "m"))
     lm.forward(context, 1)
     times = []
     for _ in range(repeats):

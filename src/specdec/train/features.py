@@ -107,14 +107,15 @@ def early_features(target: str, data_dir: Path, layers: int, log: Any = print) -
     from rich.console import Console
     from rich.progress import Progress
 
-    from specdec.sequence import FastLlamaLM
+    from specdec.llama import BatchLlama
+    from specdec.sequence import OneSequence
     from specdec.wiring import load_pretrained
 
     path = data_dir / f"early-{layers}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     model, _ = load_pretrained(target, torch.float32)
-    lm = FastLlamaLM(model, target)
+    lm = OneSequence(BatchLlama(model, target, 1))
     out: list[torch.Tensor] = []
     shards = sorted(data_dir.glob("shard-*.pt"))
     t0 = time.perf_counter()

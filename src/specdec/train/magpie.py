@@ -386,11 +386,10 @@ def feature_model(target: str, rows: int, engine: str = "bf16") -> LlamaWeights:
         import specdec
 
         loaded = specdec.load(target, draft="none").target
-        lean = getattr(loaded, "rows", None)
-        if not isinstance(lean, BatchLlama):
+        if not isinstance(loaded, BatchLlama):
             raise ValueError(f"int4 features need a target on the lean path; '{target}' loads as "
                              f"{type(loaded).__name__}")
-        return lean.view(rows)
+        return loaded.view(rows)
     from specdec.wiring import default_draft_dtype, load_pretrained
 
     model, _ = load_pretrained(target, default_draft_dtype())

@@ -392,6 +392,23 @@ def read_q4_0(raw: np.ndarray, n: int, k: int) -> list[Codes] | None:
                       torch.from_numpy(np.ascontiguousarray(q1)))
 
 
+def read_q5_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
+    """A Q5_0 tensor's bytes (N, K/32 * 22): per block d (fp16), the codes' fifth bits (4 bytes, bit j
+    for weight j), then 16 bytes of their low four bits laid out as Q4_1's; w = d (q - 16), q in 0..31.
+    That is a Q8_0 block with codes q - 16 and the same d: the file's scales and codes exactly, on
+    the 8-bit kernel (8.5 bits a weight read, against the file's 5.5)."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, 22)
+    d = blocks[..., 0:2].copy().view(np.float16)
+    high = blocks[..., 2:6].copy().view("<u4")  # (N, K/32, 1)
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)  # (N, K/32, 32)
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    q = (low | (fifth << 4)) - 16
+    q8 = np.concatenate([d.view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=-1)  # (N, K/32, 34)
+    return q8_0_codes(torch.from_numpy(d[..., 0].copy()), torch.from_numpy(q.reshape(n, k).astype(np.int8)),
+                      torch.from_numpy(np.ascontiguousarray(q8)))
+
+
 def q8_0_parts(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes (N, K/32 * 34: per block d (fp16), then 32 int8 weights) as its blocks
     (N, K/32, 34) (a view of raw), d (N, K/32) float16 and q (N, K) int8."""
@@ -408,11 +425,11 @@ def read_q8_0(raw: np.ndarray, n: int, k: int) -> list[Codes]:
 
 
 READERS: dict[str, Callable[[np.ndarray, int, int], list[Codes] | None]] = {
-    "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q8_0": read_q8_0}
+    "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q5_0": read_q5_0, "Q8_0": read_q8_0}
 # GGUF formats of 4 bits a weight that no reader here takes as they are (Q4_K): their products are
 # quantized again to Q4_1 from the weights transformers de-quantized (up to the rounding of Q4_K's
-# scales); every other format (Q5_*, Q6_K, F16, BF16, ...) to Q8_0, never to fewer bits than the
-# file holds. Every product stays on the 4-/8-bit kernels.
+# scales); every other format (Q5_1, Q5_K, Q6_K, F16, BF16, ...) to Q8_0, never to fewer bits than
+# the file holds. Every product stays on the 4-/8-bit kernels.
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 

@@ -124,36 +124,32 @@ def test_formats_not_read_as_they_are_are_quantized_again_and_never_to_fewer_bit
             plain.generate(prompt, max_new_tokens=16, temperature=0).token_ids
 
 
-def test_q4_0_is_read_as_it_is_in_q4_1s_form(tmp_path, cache):
-    """Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16: the file's codes and scales run on
-    the 4-bit kernel with nothing quantized again, hold gguf's own de-quantization exactly, and
-    greedy speculative output is plain decoding's."""
+@pytest.mark.parametrize(("kind", "held_as"), [("Q4_0", "Q4_1"), ("Q5_0", "Q8_0")])
+def test_q4_0_and_q5_0_are_read_as_they_are(tmp_path, cache, kind, held_as):
+    """Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16; Q5_0 (w = d (q - 16), q in 0..31)
+    is Q8_0 with codes q - 16: the file's codes and scales run on the block kernels with nothing
+    quantized again, hold gguf's own de-quantization exactly, and greedy speculative output is
+    plain decoding's."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from specdec import load
-    from specdec.int4 import ATTR, read_q4_0
+    from specdec import load, qgemm
+    from specdec.int4 import ATTR, READERS
 
     x = (np.random.default_rng(1).standard_normal((8, 96)) * 0.05).astype(np.float32)
-    raw = quantize(x, GGMLQuantizationType.Q4_0)
-    planes = read_q4_0(raw, 8, 96)
-    assert planes is not None and planes[0].blocks is not None and planes[0].blocks.kind == "Q4_1"
-    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0).reshape(8, 96).copy())
-    plane = planes[0]
-    held = (plane.q.float() - 8) * plane.scale.repeat_interleave(32, 1) + plane.zero.repeat_interleave(32, 1)
-    assert torch.equal(held, want)
-    assert torch.equal(qgemm_dense(planes[0].blocks.data), want)
-    path = write_tiny_gguf(tmp_path / "q4_0.gguf", quant="Q4_0")
+    raw = quantize(x, GGMLQuantizationType[kind])
+    planes = READERS[kind](raw, 8, 96)
+    assert planes is not None and planes[0].blocks is not None and planes[0].blocks.kind == held_as
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(8, 96).copy())
+    held = sum((p.q.float() - 8) * p.scale.repeat_interleave(32, 1) + p.zero.repeat_interleave(32, 1) for p in planes)
+    assert isinstance(held, torch.Tensor) and torch.equal(held, want)
+    dense = qgemm.dequantize_q4_1 if held_as == "Q4_1" else qgemm.dequantize_q8_0
+    assert torch.equal(dense(planes[0].blocks.data), want)
+    path = write_tiny_gguf(tmp_path / f"{kind}.gguf", quant=kind)
     plain = load(str(path), draft="none")
-    assert getattr(plain.target.model, ATTR).formats == {"Q4_0": 7 * 2, "F32 (float32)": 1}
+    assert getattr(plain.target.model, ATTR).formats == {kind: 7 * 2, "F32 (float32)": 1}
     spec = load(str(path), draft="ngram", draft_tokens=4)
     for prompt in ["ab", "abc abc abc", "hello"]:
         assert spec.generate(prompt, max_new_tokens=16, temperature=0).token_ids == \
             plain.generate(prompt, max_new_tokens=16, temperature=0).token_ids
-
-
-def qgemm_dense(blocks: torch.Tensor) -> torch.Tensor:
-    from specdec import qgemm
-
-    return qgemm.dequantize_q4_1(blocks)

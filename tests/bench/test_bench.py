@@ -91,3 +91,22 @@ def test_a_configuration_that_drafted_nothing_is_named_in_the_report():
     assert nothing_drafted(rows) == ["drafted 0 tokens: 'ngram' (ngram) proposed nothing on these prompts, so its "
                                      "figures are plain decoding's"]
     assert markdown(rows, {}, [], "### greedy").rstrip().endswith(nothing_drafted(rows)[0])
+
+
+def test_the_benchs_default_prophet_is_the_targets_own(tmp_path, monkeypatch):
+    """`specdec bench --target X` drafts its "default" configurations with X's own default prophet
+    (the bundled prophet only for the bundled target: another model's vocabulary differs), and runs
+    transformers' assisted generation only where that prophet is a model directory."""
+    from specdec.bench.main import _draft_spec, bench_prophet, is_model_dir
+    from specdec.defaults import DEFAULT_LOOKUP, bundled_prophet
+    from tests.gguf_writer import write_tiny_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    assert bench_prophet("bundled", None) == bundled_prophet() and is_model_dir(bundled_prophet())
+    assert bench_prophet(None, None) == bench_prophet("smollm2", None)  # the default target's
+    assert bench_prophet("smollm2", None).startswith("ngram+")
+    other = str(write_tiny_gguf(tmp_path / "other.gguf"))
+    assert bench_prophet(other, None) == DEFAULT_LOOKUP and not is_model_dir(DEFAULT_LOOKUP)
+    assert bench_prophet(other, "ngram") == "ngram"
+    assert _draft_spec("default+ngram", DEFAULT_LOOKUP) == DEFAULT_LOOKUP  # each part once
+    assert _draft_spec("default", "/m/p") == "/m/p" and _draft_spec("ngram", "/m/p") == "ngram"

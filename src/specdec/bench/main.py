@@ -86,16 +86,33 @@ def chat_configs_for(quick: bool, greedy: bool, k: int = K) -> list[Config]:
 
 
 def _draft_spec(spec: str, prophet_path: str) -> str:
-    return "+".join(prophet_path if p == "default" else p for p in spec.split("+"))
+    """A configuration's draft with "default" replaced by the prophet (a spec of its own: its parts
+    once each)."""
+    parts = [q for p in spec.split("+") for q in (prophet_path.split("+") if p == "default" else [p])]
+    return "+".join(dict.fromkeys(parts))
+
+
+def bench_prophet(target: str | None, prophet: str | None) -> str:
+    """The prophet the bench's "default" configurations draft with: --prophet, else the target's own
+    default (`defaults.default_prophet_for`: the bundled prophet for the bundled target, a trained
+    eagle or prompt lookup for any other model)."""
+    from specdec.defaults import default_target, shipped
+
+    return shipped(prophet) if prophet else default_prophet_for(target or default_target())
+
+
+def is_model_dir(spec: str) -> bool:
+    """Whether a prophet spec is one model directory (what transformers' assisted generation needs)."""
+    return "+" not in spec and (Path(spec) / "config.json").is_file()
 
 
 def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, prophet: str | None,
                 dtype: torch.dtype | None = None, device: str = "cpu") -> Runner:
     from specdec.api import load
-    from specdec.defaults import bundled_prophet, default_target, shipped
+    from specdec.defaults import default_target
 
+    prophet = bench_prophet(target, prophet)
     target = target or default_target()
-    prophet = shipped(prophet) if prophet else bundled_prophet()  # models/NAME: a shipped prophet
     runner = Runner(settings)
     plain = None
     for cfg in configs:
@@ -167,6 +184,8 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
+    if not is_model_dir(bench_prophet(args.target, args.prophet)):  # assisted generation needs a draft model
+        configs = [c for c in configs if c.kind != "hf-assisted"]
     configs += getattr(args, "peer_configs", [])
     from specdec.wiring import resolve_dtype
 

@@ -14,14 +14,17 @@ attention, the KV cache) stays float32.
 
 What each tensor of a GGUF file becomes (`from_gguf`):
 - Q4_1: one 4-bit plane, from the file's codes (no de-quantization, no re-quantization);
+- Q4_0 (w = d (q - 8)): the same, as Q4_1 with m = -8d (`read_q4_0`);
+- Q5_0 (w = d (q - 16), q in 0..31): Q8_0 with codes q - 16 (`read_q5_0`);
 - Q8_0 (SmolLM2's tied embedding/head, 49152 x 576): two 4-bit planes, exact: a block's
   int8 code q = 16*hi + lo (lo = q & 15, hi = q >> 4) is hi+8 with scale 16d and zero 0,
   plus lo with scale d and zero 8d; the head's product is the sum of the two (10 bits a
   weight read, against 32 in float32). The embedding lookup reads the same blocks
   (`BlockEmbedding`: int8 codes and scales, the float table's very bits in a quarter of its memory).
-- F32 (norms) and every other format (Q4_K, Q6_K, F16, ...): the float32 weights that
-  transformers de-quantized (the lean path's float product for that matrix). A fused
-  product (q/k/v, gate/up) is 4-bit only when all of its parts are.
+- every other format (Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16, F32): quantized again from the float32
+  weights transformers de-quantized (`requantized`: Q4_K as Q4_1, the others as Q8_0, never fewer
+  bits than the file holds), and so is a fused product (q/k/v, gate/up) whose parts the file holds
+  in different formats; norms stay float32.
 A model that is not a GGUF file is quantized here by the same rules (`from_float`): Q4_1's
 min/max rule for the layers' matrices, Q8_0's for the head.
 

@@ -31,6 +31,7 @@ whether it could be built here (x86-64 Linux with a C++ compiler and ninja); `wh
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -84,8 +85,10 @@ def _cpu_flags() -> str:
     return f"{model}|{flags}"
 
 
+@functools.cache
 def build_name() -> str:
-    """The extension's name: a hash of its source, the build flags, torch's version and this CPU."""
+    """The extension's name: a hash of its source, the build flags, torch's version and this CPU
+    (fixed for the process: computed once)."""
     h = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         h.update(path.read_bytes())

@@ -11,6 +11,7 @@ rows in one product is missing.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -85,8 +86,7 @@ class RowsLM:
 
     def view(self, slots: int) -> RowsLM:
         """The same weights, `slots` empty caches of its own (a subclass keeps its class)."""
-        other = type(self).__new__(type(self))
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)
         RowsLM.__init__(other, self.state, slots)
         return other
 

@@ -257,3 +257,12 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_process() -> N
     finally:
         stale.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_stored_step_costs_are_keyed_by_the_kernels_build(tiny_pair):
+    """A changed kernel source gives another build name, so costs stored for the old kernel are
+    not read for the new one."""
+    from specdec import load
+    from specdec.coststore import costs_key
+
+    assert costs_key(load(tiny_pair["target"], draft="none"))["kernel_build"] == qgemm.build_name()

@@ -106,12 +106,13 @@ def is_model_dir(spec: str) -> bool:
     return "+" not in spec and (Path(spec) / "config.json").is_file()
 
 
-def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, prophet: str | None,
+def load_runner(configs: list[Config], settings: dict[str, Any], target: str | None, prophet: str,
                 dtype: torch.dtype | None = None, device: str = "cpu") -> Runner:
+    """The decoders and transformers callables of `configs`; prophet: `bench_prophet`'s, which
+    "default" in a configuration's draft stands for."""
     from specdec.api import load
     from specdec.defaults import default_target
 
-    prophet = bench_prophet(target, prophet)
     target = target or default_target()
     runner = Runner(settings)
     plain = None
@@ -184,12 +185,13 @@ def run_mode(greedy: bool, args: Any, prompts: list[Any], console: Any) -> dict[
     if args.configs:
         wanted = set(args.configs)
         configs = [c for c in configs if c.name in wanted or c.name.startswith("plain")]
-    if not is_model_dir(bench_prophet(args.target, args.prophet)):  # assisted generation needs a draft model
+    prophet = bench_prophet(args.target, args.prophet)
+    if not is_model_dir(prophet):  # assisted generation needs a draft model
         configs = [c for c in configs if c.kind != "hf-assisted"]
     configs += getattr(args, "peer_configs", [])
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, settings, args.target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),
+    runner = load_runner(configs, settings, args.target, prophet, resolve_dtype(getattr(args, "dtype", "default")),
                          getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     tok = plain.tokenizer
@@ -454,8 +456,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
     configs = specbench_configs(target, args.draft or ["default"], branches) + peer_configs
     from specdec.wiring import resolve_dtype
 
-    runner = load_runner(configs, {}, target, args.prophet, resolve_dtype(getattr(args, "dtype", "default")),
-                         getattr(args, "device", "cpu"))
+    runner = load_runner(configs, {}, target, bench_prophet(target, args.prophet),
+                         resolve_dtype(getattr(args, "dtype", "default")), getattr(args, "device", "cpu"))
     plain = runner.decoders["plain"]
     chat = bool(getattr(plain.tokenizer, "chat_template", None))
     room = plain.target.max_length - args.max_new_tokens - 1

@@ -70,7 +70,7 @@ _ROWS_ALIGN = 16  # the kernel takes output rows in blocks of 16..64
 _INNER_K_TILES = 2  # the CPU packing's argument (K must be a multiple of 16 * this)
 
 
-KERNELS = ("auto", "blocks16", "blocks8", "blocks", "torch")
+KERNELS = ("auto", "amx", "blocks16", "blocks8", "blocks", "torch")
 
 
 def kernel_choice() -> str:
@@ -81,9 +81,18 @@ def kernel_choice() -> str:
     SmolLM2's Q8_0 head there costs about the float kernel's time for one row and 0.4-0.5x for 5-16
     rows, where the float kernel is compute-bound) or "blocks8" (its int8
     kernel: activations quantized to int8 blocks as llama.cpp does, integer dot products).
-    SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "blocks16" where the extension builds
-    with it (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
+    "amx" is blocks16 with each block's dot products on the CPU's AMX tile unit (TDPBF16PS: a block of
+    16 weight rows decoded once into a tile of bfloat16 codes, shared by every row of the product),
+    which adds in its own order: its bits are not blocks16's, so one kernel serves a process.
+    SPECDEC_INT4_KERNEL chooses; "auto" (the default) takes "amx" where the extension builds with it
+    and the system lends the tile unit (a CPU with amx_bf16), else "blocks16" where it builds with
+    that (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
     it), else "torch":
+    - on a 2-core Intel Xeon (Sapphire Rapids), SmolLM2 loaded on blocks16 and on amx in one process
+      (docs/reports/bench-amx): a one-row product costs 1.08-1.09x blocks16's, a 5-row one 0.49-0.55x;
+      a verification pass of 8 tokens 1.7 one-token steps against 2.9; on Spec-Bench (12 questions,
+      128 tokens) plain decoding 1.29x blocks16's (prompts read 1.4-1.6x faster, short answers the
+      same) and the default decoder greedy 1.59x blocks16's plain decoding (blocks16's own: 1.09x);
     - on a 2-core AMD EPYC Zen 4 (avx512_bf16), SmolLM2 loaded on blocks16 and on blocks in one
       process, steps alternated (two runs): a one-token step takes 0.82-0.97x blocks' time (200 and
       1,000 tokens of context), a 5-token verification pass 0.64-0.84x, a 600-token prompt 0.66-0.71x; on
@@ -104,11 +113,16 @@ def kernel_choice() -> str:
     if want == "auto":
         if not qgemm.available():
             return "torch"
+        if qgemm.has_amx_kernel():
+            return "amx"
         return "blocks16" if qgemm.has_bf16_kernel() else "blocks"
     if want == "torch":
         return "torch"
     if not qgemm.available():
         raise ValueError(f"SPECDEC_INT4_KERNEL={want}, but the kernel does not build here: {qgemm.why_unavailable()}")
+    if want == "amx" and not qgemm.has_amx_kernel():
+        raise ValueError("SPECDEC_INT4_KERNEL=amx needs a CPU with amx_bf16 (and a system that lets this process use "
+                         "its tile unit), which this one lacks; use blocks16, blocks or auto")
     if want == "blocks16" and not qgemm.has_bf16_kernel():
         raise ValueError("SPECDEC_INT4_KERNEL=blocks16 needs a CPU with avx512_bf16, which this one lacks; "
                          "use blocks (float32 activations) or auto")
@@ -117,7 +131,9 @@ def kernel_choice() -> str:
 
 _BLOCK_PRODUCTS = {("blocks", "Q4_1"): "q4_1_mm", ("blocks", "Q8_0"): "q8_0_mm",
                    ("blocks8", "Q4_1"): "q4_1_mm8", ("blocks8", "Q8_0"): "q8_0_mm8",
-                   ("blocks16", "Q4_1x16"): "q4_1_mm16", ("blocks16", "Q8_0x16"): "q8_0_mm16"}
+                   ("blocks16", "Q4_1x16"): "q4_1_mm16", ("blocks16", "Q8_0x16"): "q8_0_mm16",
+                   ("amx", "Q4_1x16"): "q4_1_mm_amx", ("amx", "Q8_0x16"): "q8_0_mm_amx"}
+_PANEL_KERNELS = ("blocks16", "amx")  # the kernels that read panels
 # the bfloat16 kernel's panels of each file kind: kind in panels, regrouping, its inverse
 _PANELS = {"Q4_1": ("Q4_1x16", qgemm.panel_q4_1, qgemm.unpanel_q4_1),
            "Q8_0": ("Q8_0x16", qgemm.panel_q8_0, qgemm.unpanel_q8_0)}
@@ -145,11 +161,11 @@ class Blocks:
         return Blocks(blocks.kind, blocks.data[index])
 
     def for_kernel(self, kernel: str) -> Blocks:
-        """These weights in the layout `kernel` reads panels for "blocks16"."""
-        if kernel == "blocks16" and self.kind in _PANELS:
+        """These weights in the layout `kernel` reads (panels for "blocks16" and "amx")."""
+        if kernel in _PANEL_KERNELS and self.kind in _PANELS:
             panels, regroup, _ = _PANELS[self.kind]
             return Blocks(panels, regroup(self.data))
-        if kernel != "blocks16" and self.kind in _FILE_KIND:
+        if kernel not in _PANEL_KERNELS and self.kind in _FILE_KIND:
             return self.file_blocks()
         return self
 

@@ -307,6 +307,18 @@ def q8_0_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 1)
 
 
+def q4_1_mm_amx(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """As `q4_1_mm16` (the same panels, x rounded to bfloat16, the weights exact, d and m per
+    block), each block's dot products on the CPU's AMX tile unit, which adds in its own order:
+    rows invariant, but not the bits of `q4_1_mm16`. Only where `has_amx_kernel()`."""
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 2)
+
+
+def q8_0_mm_amx(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """As `q8_0_mm16`, each block's dot products on the AMX tile unit (see `q4_1_mm_amx`)."""
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 3)
+
+
 PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel
 PANEL_BLOCK = 320  # bytes of a panel's block: 16 d, 16 m (fp16), then 8 groups of 4 positions x 16 rows of codes
 
@@ -380,6 +392,12 @@ def unpanel_q8_0(panels: torch.Tensor) -> torch.Tensor:
 def has_bf16_kernel() -> bool:
     """Whether the extension builds here with its bfloat16 kernel (a CPU with avx512_bf16)."""
     return available() and bool(_require().impls16())
+
+
+def has_amx_kernel() -> bool:
+    """Whether the bfloat16 kernel can run its dot products on the AMX tile unit here (a CPU with
+    amx_bf16, and a system that gives this process the tile state)."""
+    return available() and "amx" in _require().impls16()
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -308,6 +308,8 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
         kernels = [("blocks", 2 ** -18 * scale * 96), ("blocks8", 2 ** -6 * scale)]
         if qgemm.has_bf16_kernel():
             kernels.append(("blocks16", 2 ** -6 * scale))
+        if qgemm.has_amx_kernel():
+            kernels.append(("amx", 2 ** -6 * scale))
         for kernel, tol in kernels:
             monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
             fast = Int4Weight(codes)
@@ -327,18 +329,24 @@ def test_the_kernel_is_chosen_by_the_environment_and_both_multiply_the_same_weig
     if not qgemm.available():
         assert kernel_choice() == "torch"
     else:
+        best = "amx" if qgemm.has_amx_kernel() else "blocks16" if qgemm.has_bf16_kernel() else "blocks"
+        assert kernel_choice() == best
+        monkeypatch.setattr(qgemm, "has_amx_kernel", lambda: False)  # a CPU without AMX
         assert kernel_choice() == ("blocks16" if qgemm.has_bf16_kernel() else "blocks")
         monkeypatch.setattr(qgemm, "has_bf16_kernel", lambda: False)  # a CPU without avx512_bf16
         assert kernel_choice() == "blocks"
         monkeypatch.setenv("SPECDEC_INT4_KERNEL", "blocks16")
         with pytest.raises(ValueError, match="blocks16 needs a CPU with avx512_bf16"):
             kernel_choice()
+        monkeypatch.setenv("SPECDEC_INT4_KERNEL", "amx")
+        with pytest.raises(ValueError, match="amx needs a CPU with amx_bf16"):
+            kernel_choice()
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="auto, blocks16, blocks8, blocks, torch"):
+    with pytest.raises(ValueError, match="auto, amx, blocks16, blocks8, blocks, torch"):
         kernel_choice()
 
 
-@pytest.mark.parametrize("kernel", ["blocks", "blocks8", "blocks16"])
+@pytest.mark.parametrize("kernel", ["blocks", "blocks8", "blocks16", "amx"])
 @pytest.mark.slow
 def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, kernel):
     """On each of specdec.qgemm's kernels (SPECDEC_INT4_KERNEL): SmolLM2's 9 tokens scored in one
@@ -351,6 +359,8 @@ def test_specdecs_own_kernels_keep_every_exactness_rule(monkeypatch, tiny_pair, 
         pytest.skip(f"qgemm unavailable: {qgemm.why_unavailable()}")
     if kernel == "blocks16" and not qgemm.has_bf16_kernel():
         pytest.skip("no bfloat16 kernel on this CPU (avx512_bf16)")
+    if kernel == "amx" and not qgemm.has_amx_kernel():
+        pytest.skip("no AMX tile unit on this CPU (amx_bf16)")
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
     decoder = load("smollm2", draft=f"ngram+{models_dir() / 'smollm2-eagle'}", policy="fixed", draft_tokens=8,
                    dtype="int4")
@@ -373,7 +383,7 @@ def test_a_blocks_kernel_that_cannot_build_is_an_error_that_says_why(monkeypatch
 
     monkeypatch.setattr(qgemm, "available", lambda: False)
     monkeypatch.setattr(qgemm, "why_unavailable", lambda: "RuntimeError: no compiler")
-    for kernel in ("blocks", "blocks8", "blocks16"):
+    for kernel in ("blocks", "blocks8", "blocks16", "amx"):
         monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
         with pytest.raises(ValueError, match=f"SPECDEC_INT4_KERNEL={kernel}.*no compiler"):
             kernel_choice()

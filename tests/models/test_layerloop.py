@@ -63,10 +63,12 @@ def built():
         pytest.skip(f"the extension does not build here: {qgemm.why_unavailable()}")
 
 
-@pytest.mark.parametrize("kernel", ["torch", "blocks", "blocks16"])
+@pytest.mark.parametrize("kernel", ["torch", "blocks", "blocks16", "amx"])
 def test_the_cpp_loop_computes_the_python_loops_bits_on_int4(monkeypatch, built, kernel):
     if kernel == "blocks16" and not qgemm.has_bf16_kernel():
         pytest.skip("no bfloat16 kernel on this CPU (avx512_bf16)")
+    if kernel == "amx" and not qgemm.has_amx_kernel():
+        pytest.skip("no AMX tile unit on this CPU (amx_bf16)")
     monkeypatch.setenv("SPECDEC_INT4_KERNEL", kernel)
     lm = load("smollm2", draft="none", dtype="int4").target
     assert lm.int4_kernel == kernel

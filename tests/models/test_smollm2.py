@@ -149,8 +149,8 @@ def test_eagle_reads_the_targets_own_head_rows_on_the_block_kernel(smollm2):
     assert prophet.block_head.nbytes * 3 < rows.numel() * 4
     assert prophet_step_bytes(prophet) < weight_bytes(prophet.head) + rows.numel() * 4
 
-    def seen(x: torch.Tensor) -> torch.Tensor:  # the activations as the kernel reads them (bfloat16 on blocks16)
-        return x.bfloat16().float() if head.kernel == "blocks16" else x
+    def seen(x: torch.Tensor) -> torch.Tensor:  # the activations as the kernel reads them (bfloat16 on the panels)
+        return x.bfloat16().float() if head.kernel in ("blocks16", "amx") else x
 
     h = torch.randn(3, rows.shape[1], generator=torch.Generator().manual_seed(0))
     want = seen(h) @ rows.T

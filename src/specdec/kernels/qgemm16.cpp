@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,11 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define QGEMM16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define QGEMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #include "qgemm_common.h"
@@ -52,6 +58,7 @@ constexpr int64_t PANEL_ROWS = 16;   // weight rows a panel
 constexpr int64_t PANEL_BLOCK = 320;  // bytes of one panel's block: 16 d, 16 m (fp16), 16 pairs x 16 rows of codes
 constexpr int64_t PANEL_BLOCK8 = 544;  // bytes of one Q8_0 panel's block: 16 d (fp16), 16 pairs x 16 rows of 2 codes
 constexpr int64_t CODES_AT = 64;      // the codes' offset in a panel's block
+constexpr int64_t AMX_UNIT = 2;       // added to a format: the codes' dot products on the tile unit (AMX)
 
 namespace mm16 {
 
@@ -252,10 +259,155 @@ void panels(const Args& a, int64_t M, int64_t g0, int64_t g1) {
   }
 }
 
+
+
+#ifdef QGEMM_AMX
+// ------------------------------------------------------------------------------------------------ AMX tiles
+// The same panels and the same arithmetic outside the codes' dot products, whose block sums come from the CPU's tile
+// unit (AMX: TDPBF16PS, a 16 x 32 bfloat16 tile of activations times a 32 x 16 tile of codes in one instruction):
+// per output, for each block b in order, S = the tile unit's sum over the block's 32 positions (from 0), T = T +
+// d_b S (a multiply, then an add), then y = T + M as above. A block of a panel decoded is exactly one tile of codes
+// (pair i of the block = tile row i: 16 lanes of two bfloat16 words), decoded once for all the product's rows.
+// The tile unit does not add in vdpbf16ps's order (on a Xeon Sapphire Rapids its sums differed from every
+// sequential order in about 60% of random cases), but each row of a tile is computed alone: a row's bits are the
+// same at any row count (tests/models/test_qgemm16.py). So a process uses one unit for all its products (the kernel
+// "amx" or "blocks16", chosen once, see int4.kernel_choice): a one-token step and a verification pass agree.
+namespace tiles {
+
+constexpr int ROWS = 16;  // activation rows a tile (the last tile padded with rows of zeros)
+
+// Linux gives a process the tile state only when asked (once): false where it refuses (a CPU or kernel without it).
+bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: the activations (rows x 32 bfloat16); 1, 2: two panels' codes (16 pairs x 16 rows); 4, 5: their sums.
+inline void configure(int rows) {
+  Config c;
+  for (int t = 0; t < 6; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t == 1 || t == 2 ? 16 : rows);
+  }
+  _tile_loadconfig(&c);
+}
+
+// One block of a panel -> its tile of codes (16 rows of 64 bytes).
 template <class F>
-void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N) {
+inline void decode(const uint8_t* block, uint32_t (*codes)[16]) {
+  for (int i = 0; i < QK / 2; i += 2) {
+    __m512i e, o;
+    F::pairs(block, i, e, o);
+    _mm512_store_si512(codes[i], e);
+    _mm512_store_si512(codes[i + 1], o);
+  }
+}
+
+// Two panels a step: each block's two sums' tiles are independent, so the tile unit works on one while the other
+// is stored. Four blocks a step: decoded, multiplied, then applied, so that the codes' stores are well before their
+// tile loads and the sums' tile stores before their loads. On a 2-core Xeon (Sapphire Rapids) a one-row product of
+// SmolLM2's gate/up and down weights took 1.08-1.09x the vdpbf16ps kernel's time (1.11-1.47x with one block a step,
+// three panels, or eight blocks), a five-row product 0.49-0.55x.
+constexpr int NV_MAX = 2;
+constexpr int CHUNK = 4;
+
+struct Buffers {  // a thread's: a step's tiles of codes and its block sums (one tile of rows)
+  alignas(64) uint32_t codes[CHUNK][NV_MAX][16][16];
+  alignas(64) float sums[CHUNK][NV_MAX][ROWS][16];
+};
+
+// NV (1 or 2) panels from g against all rows: x (Mp, K) bfloat16 words, Mp a multiple of tr; T (Mp, NV, 16) the
+// running sums (zeroed here), then y = T (+ M) into the output's first M rows. Each block's codes are decoded once,
+// for every tile of rows.
+template <class F, int NV>
+void panels_at(const Args& a, const uint16_t* x, int64_t M, int64_t Mp, int tr, int64_t g, float* T, Buffers& buf) {
+  constexpr int64_t PB = F::BLOCK;
+  const uint8_t* p[NV];
+  for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PB;
+  std::fill(T, T + Mp * NV * 16, 0.0f);
+  for (int64_t b0 = 0; b0 < a.KB; b0 += CHUNK) {
+    const int nb = static_cast<int>(std::min<int64_t>(CHUNK, a.KB - b0));
+    for (int c = 0; c < nb; ++c) {
+      const int64_t ahead = b0 + c + PREFETCH_BLOCKS;
+      for (int v = 0; v < NV; ++v) {
+        prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
+        decode<F>(p[v] + (b0 + c) * PB, buf.codes[c][v]);
+      }
+    }
+    for (int64_t r0 = 0; r0 < Mp; r0 += tr) {
+      for (int c = 0; c < nb; ++c) {
+        _tile_loadd(0, x + r0 * a.K + (b0 + c) * QK, a.K * 2);
+        _tile_loadd(1, buf.codes[c][0], 64);
+        _tile_zero(4);
+        _tile_dpbf16ps(4, 0, 1);
+        if constexpr (NV >= 2) {
+          _tile_loadd(2, buf.codes[c][1], 64);
+          _tile_zero(5);
+          _tile_dpbf16ps(5, 0, 2);
+        }
+        _tile_stored(4, buf.sums[c][0], 64);
+        if constexpr (NV >= 2) _tile_stored(5, buf.sums[c][1], 64);
+      }
+      for (int v = 0; v < NV; ++v) {
+        __m512 d[CHUNK];
+        for (int c = 0; c < nb; ++c) d[c] = scales(p[v] + (b0 + c) * PB);
+        for (int r = 0; r < tr; ++r) {  // the blocks in order: T = T + d S
+          float* t = T + ((r0 + r) * NV + v) * 16;
+          __m512 acc = _mm512_loadu_ps(t);
+          for (int c = 0; c < nb; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(d[c], _mm512_load_ps(buf.sums[c][v][r])));
+          _mm512_storeu_ps(t, acc);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int64_t r = 0; r < M; ++r) {
+      __m512 y = _mm512_loadu_ps(T + (r * NV + v) * 16);
+      if constexpr (F::MINS) {
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t b = 0; b < a.KB; ++b) {
+          const uint8_t* pb = p[v] + b * PANEL_BLOCK;
+          const __m512 shifted = _mm512_sub_ps(scales(pb + 32), _mm512_mul_ps(scales(pb), _mm512_set1_ps(128.0f)));
+          m = _mm512_add_ps(m, _mm512_mul_ps(shifted, _mm512_set1_ps(a.sums[r * a.KB + b])));
+        }
+        y = _mm512_add_ps(y, m);
+      }
+      _mm512_storeu_ps(a.out + r * a.N + (g + v) * PANEL_ROWS, y);
+    }
+}
+
+// Panels [g0, g1) for all M rows (one thread's share), two at a time, then one; the thread's tiles configured for
+// tr rows, and released after.
+template <class F>
+void panels(const Args& a, const uint16_t* x, int64_t M, int64_t Mp, int tr, int64_t g0, int64_t g1) {
+  thread_local std::vector<float> T;
+  thread_local std::unique_ptr<Buffers> buf;
+  if (!buf) buf = std::make_unique<Buffers>();
+  if (T.size() < static_cast<size_t>(Mp * NV_MAX * 16)) T.resize(Mp * NV_MAX * 16);
+  configure(tr);
+  int64_t g = g0;
+  for (; g + NV_MAX <= g1; g += NV_MAX) panels_at<F, NV_MAX>(a, x, M, Mp, tr, g, T.data(), *buf);
+  if (g < g1) panels_at<F, 1>(a, x, M, Mp, tr, g, T.data(), *buf);
+  _tile_release();
+}
+
+}  // namespace tiles
+#endif  // QGEMM_AMX
+
+template <class F>
+void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int64_t N, bool amx) {
   const int64_t KB = K / QK;
-  std::vector<uint16_t> xb(static_cast<size_t>(M * K));
+  // on the tile unit, rows of zeros up to a whole number of tiles (of M rows where M < 16)
+  const int tr = static_cast<int>(std::min<int64_t>(M, 16));
+  const int64_t Mp = amx ? (M + tr - 1) / tr * tr : M;
+  std::vector<uint16_t> xb(static_cast<size_t>(Mp * K), 0);
   std::vector<float> sums(static_cast<size_t>(F::MINS ? M * KB : 0));  // the blocks' activation sums (minimums)
   // each row's activations rounded and summed on its own (the same arithmetic at any row count), rows in
   // parallel where there are many (64 rows of SmolLM2's four products: ~0.1 ms a layer on one thread)
@@ -273,6 +425,16 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
   else
     prepare(0, M);
   const Args a{w, reinterpret_cast<const uint32_t*>(xb.data()), sums.data(), out, K, KB, N};
+#ifdef QGEMM_AMX
+  if (amx) {
+    split_rows(N, PANEL_ROWS, K, M, [&](int64_t n0, int64_t n1) {
+      tiles::panels<F>(a, xb.data(), M, Mp, tr, n0 / PANEL_ROWS, n1 / PANEL_ROWS);
+    });
+    return;
+  }
+#endif
+  (void)amx;
+  (void)tr;
   split_rows(N, PANEL_ROWS, K, M, [&](int64_t n0, int64_t n1) { panels<F>(a, M, n0 / PANEL_ROWS, n1 / PANEL_ROWS); });
 }
 
@@ -283,14 +445,15 @@ void run(const float* x, int64_t M, const uint8_t* w, float* out, int64_t K, int
 }  // namespace
 
 // x (M, K) float32 rows @ panels (N/16, K/32, 320 for Q4_1 (fmt 0), 544 for Q8_0 (fmt 1)) into out (M, N), no
-// checks (qmm16; the layer loop's raw layers).
+// checks (qmm16; the layer loop's raw layers). fmt + 2 (AMX_UNIT): the codes' dot products on the tile unit.
 void qgemm16_into(const float* x, int64_t M, const uint8_t* panels, int64_t fmt, int64_t K, int64_t N, float* out) {
 #ifdef QGEMM16
   if (M > 0 && N > 0) {
-    if (fmt == 1)
-      mm16::run<mm16::PanelsQ8_0>(x, M, panels, out, K, N);
+    const bool amx = (fmt & AMX_UNIT) != 0;
+    if ((fmt & ~AMX_UNIT) == 1)
+      mm16::run<mm16::PanelsQ8_0>(x, M, panels, out, K, N, amx);
     else
-      mm16::run<mm16::PanelsQ4_1>(x, M, panels, out, K, N);
+      mm16::run<mm16::PanelsQ4_1>(x, M, panels, out, K, N, amx);
   }
 #endif
 }
@@ -305,12 +468,24 @@ bool compiled16() {
 #endif
 }
 
+// Whether this build has the tile path and the system gives this process the tile state.
+bool amx_ready() {
+#ifdef QGEMM_AMX
+  return mm16::tiles::permitted();
+#else
+  return false;
+#endif
+}
+
 torch::Tensor qmm16(const torch::Tensor& x, const torch::Tensor& panels, int64_t fmt) {
-  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qmm16: Q4_1 (format 0) or Q8_0 (format 1) weights, got format ", fmt);
-  const std::string name = fmt == Q4_1 ? "q4_1_mm16" : "q8_0_mm16";
+  TORCH_CHECK(fmt >= 0 && fmt < 4, "qmm16: Q4_1 (format 0) or Q8_0 (format 1) weights, + 2 on the tile unit, got ", fmt);
+  const bool q4 = (fmt & ~AMX_UNIT) == Q4_1;
+  const std::string name = std::string(q4 ? "q4_1_mm" : "q8_0_mm") + (fmt & AMX_UNIT ? "_amx" : "16");
   TORCH_CHECK(compiled16(), name, ": this build has no AVX-512 BF16 kernel (the CPU lacks avx512_bf16)");
-  check_product_args(x, panels, fmt == Q4_1 ? PANEL_BLOCK : PANEL_BLOCK8, name, "panels", "N/16",
-                     fmt == Q4_1 ? " (qgemm.panel_q4_1)" : " (qgemm.panel_q8_0)");
+  TORCH_CHECK(!(fmt & AMX_UNIT) || amx_ready(), name, ": no AMX tile unit here (the CPU lacks amx_bf16, or the "
+              "system refused this process the tile state)");
+  check_product_args(x, panels, q4 ? PANEL_BLOCK : PANEL_BLOCK8, name, "panels", "N/16",
+                     q4 ? " (qgemm.panel_q4_1)" : " (qgemm.panel_q8_0)");
   const int64_t N = panels.size(0) * PANEL_ROWS;
   return product(x, N, [&](const float* xp, int64_t M, int64_t K, float* out) {
     qgemm16_into(xp, M, panels.data_ptr<uint8_t>(), fmt, K, N, out);
@@ -335,6 +510,7 @@ torch::Tensor round_bf16(const torch::Tensor& x) {
 std::vector<std::string> impls16() {
   std::vector<std::string> names;
   if (compiled16()) names.emplace_back("avx512bf16");
+  if (amx_ready()) names.emplace_back("amx");
   return names;
 }
 
@@ -349,7 +525,8 @@ torch::Tensor qgemm_blocks_mm16(const torch::Tensor& x, const torch::Tensor& pan
 void register_mm16(pybind11::module& m) {
   m.def("q4_1_mm16", &q4_1_mm16, "bf16(x) (M, K) @ W.T -> (M, N) float32, W as Q4_1 panels (N/16, K/32, 320)");
   m.def("q8_0_mm16", &q8_0_mm16, "bf16(x) (M, K) @ W.T -> (M, N) float32, W as Q8_0 panels (N/16, K/32, 544)");
-  m.def("qmm16", &qmm16, "qmm16(x, panels, fmt): fmt 0 (Q4_1) or 1 (Q8_0)");
+  m.def("qmm16", &qmm16, "qmm16(x, panels, fmt): fmt 0 (Q4_1) or 1 (Q8_0), + 2 on the AMX tile unit");
   m.def("round_bf16", &round_bf16, "x float32 -> bfloat16 as the kernel rounds its activations");
-  m.def("impls16", &impls16, "['avx512bf16'] where this build has the kernel, else []");
+  m.def("impls16", &impls16, "['avx512bf16'] where this build has the kernel (and 'amx' where the tile unit is "
+        "there for this process), else []");
 }

@@ -469,7 +469,7 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys, cons
 struct Product {
   int64_t kind = FLOAT;
   torch::Tensor weight;                     // FLOAT: (N, K); BLOCKS, BLOCKS8, BLOCKS16: GGUF blocks (N, K/32, bytes)
-  int64_t fmt = 0;                          // BLOCKS, BLOCKS8, BLOCKS16: 0 Q4_1, 1 Q8_0
+  int64_t fmt = 0;                          // BLOCKS, BLOCKS8, BLOCKS16: 0 Q4_1, 1 Q8_0 (BLOCKS16: + 2 on AMX)
   std::vector<torch::Tensor> packed;        // INT4_TORCH: each plane's packed codes
   std::vector<torch::Tensor> scales_zeros;  // INT4_TORCH: each plane's (K/32, N, 2) bfloat16
   int64_t out_rows = 0;                     // the rows a product returns (N, or fewer: a head sliced)

@@ -191,9 +191,13 @@ class AutoPolicy(Policy):
     per_prophet = True
 
     # break_even above 1: the stored costs are minimums measured on a short placeholder
-    # context, and real rounds came out ~4% dearer than predicted (SmolLM2 int4, eagle rounds
-    # of K = 1-3 at temperature 1 on Spec-Bench: 1.29-1.65 plain steps against 1.25-1.57)
-    def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.04,
+    # context, and real rounds come out dearer than predicted: ~4% on a 2-core AMD EPYC Zen 4
+    # (SmolLM2 int4 on blocks16, eagle rounds of K = 1-3 at temperature 1 on Spec-Bench: 1.29-1.65
+    # plain steps against 1.25-1.57), 3-12% on a 2-core Xeon Sapphire Rapids (the amx kernel,
+    # Spec-Bench translation and QA, medians of each kind of round: eagle K = 1 1.03-1.07x greedy
+    # and 1.06-1.09x at T=1, K = 2 1.07-1.12x and 1.06-1.09x, prompt lookup K = 1 1.09x at T=1),
+    # so a round predicted to gain less than 8% gains nothing
+    def __init__(self, k: int = 4, min_rounds: int = 2, max_pause: int = 64, break_even: float = 1.08,
                  prior_a: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
                  resume_weight: float = 0.5, prior_a_sampled: float = 0.4,
                  resume_weight_sampled: float = 1.0) -> None:

@@ -2,6 +2,7 @@
 (tokens per target pass, acceptance, greedy identity with plain decoding) and its bad
 input, never its timings."""
 
+import itertools
 import json
 
 import pytest
@@ -146,6 +147,20 @@ def test_specbench_report_has_the_roofline(specbench_run):
     assert parts["target"]["megabytes"] > 0 and parts["target"]["measured_ms"] > 0
     assert report["roofline"]["bandwidth_gb_s"] > 0
     assert "Roofline: this machine streams" in (out / "bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_specbench_report_has_the_cost_curve(specbench_run):
+    """The machine's measured cost curve (tokens scored in one pass -> one-token steps) beside the
+    figures it explains: one token costs one step, the curve never falls, and the report says so."""
+    _, out = specbench_run
+    curve = json.loads((out / "bench.json").read_text())["cost_curve"]
+    for label in ("greedy", "temperature 1"):
+        steps = {int(n): v for n, v in curve["curves"][label]["steps"].items()}
+        assert steps[1] == pytest.approx(1.0) and len(steps) >= 2
+        assert all(steps[a] <= steps[b] for a, b in itertools.pairwise(sorted(steps)))
+        assert curve["curves"][label]["step_ms"] > 0
+    assert "Cost curve, tokens scored in one pass -> one-token steps" in (out / "bench.md").read_text()
 
 
 def test_decoding_speedup_leaves_out_the_prompt_reading():

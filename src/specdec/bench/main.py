@@ -264,6 +264,34 @@ def _roofline(runner: Runner, configs: list[Config]) -> dict[str, Any]:
     return roofline(next((d for d in ours if d.prophets), runner.decoders["plain"]))
 
 
+def _cost_curve(runner: Runner, configs: list[Config]) -> dict[str, Any] | None:
+    """The first speculative configuration's step costs as this machine measured them (its
+    decoder's stored costs): a one-token step in ms and tokens scored in one pass -> one-token
+    steps, greedy and at temperature 1; None where no configuration drafts."""
+    ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
+    decoder = next((d for d in ours if d.prophets), None)
+    if decoder is None:
+        return None
+    costs = decoder.decision_costs()
+    curve = {}
+    for label, c in (("greedy", costs), ("temperature 1", costs.sampled)):
+        if c is not None:
+            curve[label] = {"step_ms": c.t_plain * 1e3,
+                            "steps": {str(n): t / c.t_plain for n, t in sorted(c.t_verify.items())}}
+    return {"kernel": getattr(decoder.target, "int4_kernel", None), "curves": curve}
+
+
+def cost_curve_line(curve: dict[str, Any] | None) -> str:
+    """The cost curve as one line of the report ("" where none was measured)."""
+    if not curve:
+        return ""
+    kernel = f" (4-bit kernel {curve['kernel']})" if curve.get("kernel") else ""
+    parts = [f"{label}: a step {c['step_ms']:.2f} ms, " + ", ".join(f"{n}: {v:.2f}" for n, v in c["steps"].items())
+             for label, c in curve["curves"].items()]
+    return f"Cost curve, tokens scored in one pass -> one-token steps, as this machine measured them{kernel}: " \
+        + "; ".join(parts) + "."
+
+
 def run_bench(args: Any) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
@@ -482,6 +510,7 @@ def run_specbench(args: Any) -> dict[str, Any]:
             results.append(_specbench_result(mode, runner.settings, configs, runs, tasks, sources, peer_info(runner)))
     machine = _machine(args, load)
     line = _roofline(runner, configs)
+    curve = _cost_curve(runner, configs)
     reference = [{"method": m, "tokens_per_pass": v} for m, v in SPEC_BENCH_LEADERBOARD]
     report = {"command": args.command_line, "suite": "spec-bench", "machine": machine, "target": display_name(target),
               "device": getattr(args, "device", "cpu"), "target_dtype": plain.weights_detail,
@@ -489,7 +518,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
               "prompt_format": "chat template" if chat else "raw text (the target has no chat template)",
               "prompts_cut": cut, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [{"task": p.category, "source": p.source} for p in prompts],
-              "leaderboard_tokens_per_pass": reference, "roofline": line, "wall_s": time.perf_counter() - t0,
+              "leaderboard_tokens_per_pass": reference, "roofline": line, "cost_curve": curve,
+              "wall_s": time.perf_counter() - t0,
               "results": results}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     counts = ", ".join(f"{t} {sum(p.category == t for p in prompts)}" for t in tasks)
@@ -505,6 +535,8 @@ def run_specbench(args: Any) -> dict[str, Any]:
           + ", ".join(f"{m} {v:.2f}" for m, v in SPEC_BENCH_LEADERBOARD)
           + ". Tokens per pass does not depend on the hardware; a speedup does, and theirs are of a 7B model "
           "on a GPU.\n", roofline_line(line) + "\n"]
+    if curve:
+        md.append(cost_curve_line(curve) + "\n")
     for res in results:
         md.append(specbench_markdown(res["tasks"], f"### {res['mode']}"))
         md.append(markdown(res["rows"], {}, [], "All questions, per configuration (the bench's usual figures):"))

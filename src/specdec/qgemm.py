@@ -58,7 +58,7 @@ SOURCE = KERNELS_DIR / "qgemm.cpp"
 # one extension: the products (float32, int8 and bfloat16 activations), the layer loop, lookups
 SOURCES = (SOURCE, KERNELS_DIR / "qgemm8.cpp", KERNELS_DIR / "qgemm16.cpp", KERNELS_DIR / "step.cpp",
            KERNELS_DIR / "lookup.cpp", KERNELS_DIR / "f32mm.cpp")
-HEADERS = (KERNELS_DIR / "qgemm_common.h",)
+HEADERS = (KERNELS_DIR / "qgemm_common.h", KERNELS_DIR / "step_ops.h", KERNELS_DIR / "step_product.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
 LDFLAGS = ("-fopenmp",)
 _IMPLS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}

@@ -40,12 +40,15 @@ one): 4-bit steps are cheap, verification passes much less so.
 
 The blocks kernels (`specdec.qgemm`, built for this CPU on first use; `kernel_choice`) read the
 GGUF blocks as they are (Q8_0 as one 8-bit plane, not two 4-bit ones), each block unpacked once
-per tile of rows, chosen by SPECDEC_INT4_KERNEL (by default "blocks16" on a CPU with avx512_bf16,
-else "blocks"; PyTorch's where the extension does not build: `kernel_choice` says why). "blocks":
+per tile of rows, chosen by SPECDEC_INT4_KERNEL (by default "amx" on a CPU with amx_bf16, "blocks16"
+on one with avx512_bf16, else "blocks"; PyTorch's where the extension does not build: `kernel_choice`
+says why). "blocks":
 float32 activations (not bfloat16) by weights de-quantized exactly (w = fma(d, q, m)); "blocks16":
 activations rounded to bfloat16 multiplied with the 4-bit codes by AVX-512 BF16 dot products (twice
 float32's multiply-adds an instruction), each block's d and m applied after in float32 (the weights
-exact), on Q4_1 weights regrouped once in panels of 16 rows (`qgemm.panel_q4_1`);
+exact), on Q4_1 weights regrouped once in panels of 16 rows (`qgemm.panel_q4_1`); "amx": the same
+panels, each block's dot products on the AMX tile unit (a block of a panel decoded once into a tile
+of codes for every row of the product);
 "blocks8": the activations quantized to int8 per block of 32 (llama.cpp's scheme: dx = max|x| / 127)
 and integer dot products (vpdpbusd on AVX-512 VNNI), faster with several rows but of llama.cpp's quality.
 All three keep rows invariant by construction (one fixed order of operations per output element,

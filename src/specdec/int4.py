@@ -92,7 +92,7 @@ def kernel_choice() -> str:
     that (a CPU with avx512_bf16), else "blocks" where the extension builds (scripts/setup builds
     it), else "torch":
     - on a 2-core Intel Xeon (Sapphire Rapids), SmolLM2 loaded on blocks16 and on amx in one process
-      (docs/reports/bench-amx): a one-row product costs 1.08-1.09x blocks16's, a 5-row one 0.49-0.55x;
+      (docs/reports/bench-amx): a one-row product costs 1.00-1.09x blocks16's, a 5-row one 0.45-0.55x;
       a verification pass of 8 tokens 1.7 one-token steps against 2.9; on Spec-Bench (12 questions,
       128 tokens) plain decoding 1.29x blocks16's (prompts read 1.4-1.6x faster, short answers the
       same) and the default decoder greedy 1.59x blocks16's plain decoding (blocks16's own: 1.09x);

@@ -311,15 +311,17 @@ inline void decode(const uint8_t* block, uint32_t (*codes)[16]) {
 }
 
 // Two panels a step: each block's two sums' tiles are independent, so the tile unit works on one while the other
-// is stored. Four blocks a step: decoded, multiplied, then applied, so that the codes' stores are well before their
-// tile loads and the sums' tile stores before their loads. On a 2-core Xeon (Sapphire Rapids) a one-row product of
-// SmolLM2's gate/up and down weights took 1.08-1.09x the vdpbf16ps kernel's time (1.11-1.47x with one block a step,
-// three panels, or eight blocks), a five-row product 0.49-0.55x.
+// is stored. Four blocks a step: multiplied, then applied, so that the sums' tile stores are well before their
+// loads; the next step's blocks are decoded between the tile instructions (their stores well before their tile loads,
+// the decoding beside the tile unit's latency). On a 2-core Xeon (Sapphire Rapids) a one-row product of SmolLM2's
+// gate/up and down weights took 1.00-1.05x the vdpbf16ps kernel's time (1.04-1.09x decoding each step's blocks
+// before its tile instructions; 1.11-1.47x with one block a step, three panels, or eight blocks), a five-row product
+// 0.45-0.55x.
 constexpr int NV_MAX = 2;
 constexpr int CHUNK = 4;
 
 struct Buffers {  // a thread's: a step's tiles of codes and its block sums (one tile of rows)
-  alignas(64) uint32_t codes[CHUNK][NV_MAX][16][16];
+  alignas(64) uint32_t codes[2][CHUNK][NV_MAX][16][16];  // this step's and the next's
   alignas(64) float sums[CHUNK][NV_MAX][ROWS][16];
 };
 
@@ -332,26 +334,30 @@ void panels_at(const Args& a, const uint16_t* x, int64_t M, int64_t Mp, int tr, 
   const uint8_t* p[NV];
   for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PB;
   std::fill(T, T + Mp * NV * 16, 0.0f);
-  for (int64_t b0 = 0; b0 < a.KB; b0 += CHUNK) {
-    const int nb = static_cast<int>(std::min<int64_t>(CHUNK, a.KB - b0));
-    for (int c = 0; c < nb; ++c) {
-      const int64_t ahead = b0 + c + PREFETCH_BLOCKS;
-      for (int v = 0; v < NV; ++v) {
-        prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
-        decode<F>(p[v] + (b0 + c) * PB, buf.codes[c][v]);
-      }
+  const auto decode_block = [&](int64_t b, uint32_t (*codes)[16][16]) {
+    const int64_t ahead = b + PREFETCH_BLOCKS;
+    for (int v = 0; v < NV; ++v) {
+      prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
+      decode<F>(p[v] + b * PB, codes[v]);
     }
+  };
+  for (int c = 0; c < std::min<int64_t>(CHUNK, a.KB); ++c) decode_block(c, buf.codes[0][c]);
+  int cur = 0;
+  for (int64_t b0 = 0; b0 < a.KB; b0 += CHUNK, cur ^= 1) {
+    const int nb = static_cast<int>(std::min<int64_t>(CHUNK, a.KB - b0));
+    const int nb1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(CHUNK, a.KB - b0 - CHUNK)));
     for (int64_t r0 = 0; r0 < Mp; r0 += tr) {
       for (int c = 0; c < nb; ++c) {
         _tile_loadd(0, x + r0 * a.K + (b0 + c) * QK, a.K * 2);
-        _tile_loadd(1, buf.codes[c][0], 64);
+        _tile_loadd(1, buf.codes[cur][c][0], 64);
         _tile_zero(4);
         _tile_dpbf16ps(4, 0, 1);
         if constexpr (NV >= 2) {
-          _tile_loadd(2, buf.codes[c][1], 64);
+          _tile_loadd(2, buf.codes[cur][c][1], 64);
           _tile_zero(5);
           _tile_dpbf16ps(5, 0, 2);
         }
+        if (r0 == 0 && c < nb1) decode_block(b0 + CHUNK + c, buf.codes[cur ^ 1][c]);  // beside the tile unit
         _tile_stored(4, buf.sums[c][0], 64);
         if constexpr (NV >= 2) _tile_stored(5, buf.sums[c][1], 64);
       }

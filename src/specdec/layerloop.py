@@ -34,7 +34,6 @@ from specdec.int4 import Int4Weight
 LOOPS = ("auto", "python")
 
 _KINDS = {"float": 0, "torch": 1, "blocks": 2, "blocks8": 3, "blocks16": 4, "amx": 4}  # amx: blocks16's panels
-_AMX_UNIT = 2  # added to a panels' format: their dot products on the AMX tile unit
 _FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_1x16": 0, "Q8_0x16": 1}  # ...x16: in panels (the bfloat16 kernel)
 
 
@@ -57,7 +56,7 @@ def cpp_product(module: Any, weight: Any, int4_rows: str) -> Any:
                                   [s for _, s in weight.planes], weight.out_rows, weight.shape[1],
                                   int4_rows == "solo")
         assert weight.blocks is not None
-        fmt = _FORMATS[weight.blocks.kind] + (_AMX_UNIT if weight.kernel == "amx" else 0)
+        fmt = _FORMATS[weight.blocks.kind] + (qgemm.AMX_UNIT if weight.kernel == "amx" else 0)
         return module.Product(_KINDS[weight.kernel], weight.blocks.data, fmt, [], [],
                               weight.out_rows, weight.shape[1], int4_rows == "solo")
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:

@@ -307,16 +307,19 @@ def q8_0_mm16(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 1)
 
 
+AMX_UNIT = 2  # added to a panels' format (0 Q4_1, 1 Q8_0): their dot products on the AMX tile unit (qgemm16.cpp)
+
+
 def q4_1_mm_amx(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """As `q4_1_mm16` (the same panels, x rounded to bfloat16, the weights exact, d and m per
     block), each block's dot products on the CPU's AMX tile unit, which adds in its own order:
     rows invariant, but not the bits of `q4_1_mm16`. Only where `has_amx_kernel()`."""
-    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 2)
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 0 + AMX_UNIT)
 
 
 def q8_0_mm_amx(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """As `q8_0_mm16`, each block's dot products on the AMX tile unit (see `q4_1_mm_amx`)."""
-    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 3)
+    return _on_rows((_module if _module is not None else _require()).qmm16, x, panels, 1 + AMX_UNIT)
 
 
 PANEL_ROWS = 16  # weight rows a panel of the bfloat16 kernel

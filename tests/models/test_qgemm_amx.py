@@ -34,24 +34,20 @@ def within(out: torch.Tensor, other: torch.Tensor, x: torch.Tensor, w: torch.Ten
     assert bool(((out.double() - exact).abs() <= 2.0**-8 * x.double().abs() @ w.double().abs().T + 1e-30).all())
 
 
+FORMATS = {"Q4_1": (q4_1_blocks, qgemm.panel_q4_1, qgemm.dequantize_q4_1, qgemm.q4_1_mm16, qgemm.q4_1_mm_amx),
+           "Q8_0": (q8_0_blocks, qgemm.panel_q8_0, qgemm.dequantize_q8_0, qgemm.q8_0_mm16, qgemm.q8_0_mm_amx)}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("n,k,m", SHAPES)
-def test_q4_1_agrees_with_the_dot_kernel(n: int, k: int, m: int) -> None:
-    blocks = q4_1_blocks(n, k, seed=n + m)
-    panels = qgemm.panel_q4_1(blocks)
+def test_agrees_with_the_dot_kernel(fmt: str, n: int, k: int, m: int) -> None:
+    make, panel, dequantize, mm16, mm_amx = FORMATS[fmt]
+    blocks = make(n, k, seed=n + m)
+    panels = panel(blocks)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = qgemm.q4_1_mm_amx(x, panels)
+    out = mm_amx(x, panels)
     assert out.dtype == torch.float32 and out.shape == (m, -(-n // 16) * 16) and not out[:, n:].any()
-    within(out[:, :n], qgemm.q4_1_mm16(x, panels)[:, :n], x, qgemm.dequantize_q4_1(blocks), k)
-
-
-@pytest.mark.parametrize("n,k,m", SHAPES)
-def test_q8_0_agrees_with_the_dot_kernel(n: int, k: int, m: int) -> None:
-    blocks = q8_0_blocks(n, k, seed=n + m)
-    panels = qgemm.panel_q8_0(blocks)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = qgemm.q8_0_mm_amx(x, panels)
-    assert out.shape == (m, -(-n // 16) * 16) and not out[:, n:].any()
-    within(out[:, :n], qgemm.q8_0_mm16(x, panels)[:, :n], x, qgemm.dequantize_q8_0(blocks), k)
+    within(out[:, :n], mm16(x, panels)[:, :n], x, dequantize(blocks), k)
 
 
 def test_the_tile_unit_adds_in_its_own_order() -> None:

@@ -257,19 +257,23 @@ def _check_config_names(args: Any) -> None:
                            f"{quick}; its configurations: {', '.join(map(repr, sorted(known)))}")
 
 
+def _first_speculative(runner: Runner, configs: list[Config]) -> Any:
+    """The first of specdec's configurations' decoders that drafts, or None."""
+    ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
+    return next((d for d in ours if d.prophets), None)
+
+
 def _roofline(runner: Runner, configs: list[Config]) -> dict[str, Any]:
     """The roofline of the first speculative configuration's decoder (its target and
     prophets), else of plain decoding's (`specdec.bench.roofline`)."""
-    ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
-    return roofline(next((d for d in ours if d.prophets), runner.decoders["plain"]))
+    return roofline(_first_speculative(runner, configs) or runner.decoders["plain"])
 
 
 def _cost_curve(runner: Runner, configs: list[Config]) -> dict[str, Any] | None:
     """The first speculative configuration's step costs as this machine measured them (its
     decoder's stored costs): a one-token step in ms and tokens scored in one pass -> one-token
     steps, greedy and at temperature 1; None where no configuration drafts."""
-    ours = [runner.decoders[c.name] for c in configs if c.kind == "ours" and c.name in runner.decoders]
-    decoder = next((d for d in ours if d.prophets), None)
+    decoder = _first_speculative(runner, configs)
     if decoder is None:
         return None
     costs = decoder.decision_costs()
@@ -281,10 +285,8 @@ def _cost_curve(runner: Runner, configs: list[Config]) -> dict[str, Any] | None:
     return {"kernel": getattr(decoder.target, "int4_kernel", None), "curves": curve}
 
 
-def cost_curve_line(curve: dict[str, Any] | None) -> str:
-    """The cost curve as one line of the report ("" where none was measured)."""
-    if not curve:
-        return ""
+def cost_curve_line(curve: dict[str, Any]) -> str:
+    """The cost curve (`_cost_curve`) as one line of the report."""
     kernel = f" (4-bit kernel {curve['kernel']})" if curve.get("kernel") else ""
     parts = [f"{label}: a step {c['step_ms']:.2f} ms, " + ", ".join(f"{n}: {v:.2f}" for n, v in c["steps"].items())
              for label, c in curve["curves"].items()]

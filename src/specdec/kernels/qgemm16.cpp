@@ -78,6 +78,14 @@ inline void prefetch_block(const uint8_t* q) {
   for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + l), _MM_HINT_T1);
 }
 
+// The block PREFETCH_BLOCKS ahead of block b of panel g + v (of NV panels read together); past their end, the next
+// NV panels' first blocks. A hint: past the weights' end it reads nothing and never faults.
+template <int64_t BYTES, int NV>
+inline void prefetch_ahead(const uint8_t* w, int64_t KB, int64_t g, int v, int64_t b) {
+  const int64_t ahead = b + PREFETCH_BLOCKS;
+  prefetch_block<BYTES>(w + ((ahead < KB ? g + v : g + NV + v) * KB + (ahead < KB ? ahead : ahead - KB)) * BYTES);
+}
+
 // The codes of pairs i and i + 1 (i even) for 16 weight rows (32 bytes: row r's bytes 2r and 2r + 1 hold q[2i] and
 // q[2i+1] in their low halves, q[2i+2] and q[2i+3] in their high halves) -> for each pair 16 lanes of two bfloat16
 // words, c = 128 + q (bits 0x4300 | q).
@@ -193,11 +201,7 @@ void few(const Args& a, int64_t r0, int64_t g) {
   for (int r = 0; r < MT; ++r)
     for (int v = 0; v < NV; ++v) T[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
-    {  // a hint: past the weights' end it reads nothing and never faults
-      const int64_t ahead = b + PREFETCH_BLOCKS;
-      for (int v = 0; v < NV; ++v)
-        prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
-    }
+    for (int v = 0; v < NV; ++v) prefetch_ahead<PB, NV>(a.w, a.KB, g, v, b);
     __m512 E[MT][NV], O[MT][NV];
     for (int r = 0; r < MT; ++r)
       for (int v = 0; v < NV; ++v) E[r][v] = O[r][v] = _mm512_setzero_ps();
@@ -335,9 +339,8 @@ void panels_at(const Args& a, const uint16_t* x, int64_t M, int64_t Mp, int tr, 
   for (int v = 0; v < NV; ++v) p[v] = a.w + (g + v) * a.KB * PB;
   std::fill(T, T + Mp * NV * 16, 0.0f);
   const auto decode_block = [&](int64_t b, uint32_t (*codes)[16][16]) {
-    const int64_t ahead = b + PREFETCH_BLOCKS;
     for (int v = 0; v < NV; ++v) {
-      prefetch_block<PB>(ahead < a.KB ? p[v] + ahead * PB : a.w + ((g + NV + v) * a.KB + ahead - a.KB) * PB);
+      prefetch_ahead<PB, NV>(a.w, a.KB, g, v, b);
       decode<F>(p[v] + b * PB, codes[v]);
     }
   };
@@ -373,20 +376,20 @@ void panels_at(const Args& a, const uint16_t* x, int64_t M, int64_t Mp, int tr, 
       }
     }
   }
-  for (int v = 0; v < NV; ++v)
-    for (int64_t r = 0; r < M; ++r) {
-      __m512 y = _mm512_loadu_ps(T + (r * NV + v) * 16);
+  // y = T (+ M): the dot kernel's own ending (`finish`: each block's m - 128 d once for a tile's rows), tile by tile
+  for (int64_t r0 = 0; r0 < M; r0 += ROWS)
+    with_rows<ROWS>(static_cast<int>(std::min<int64_t>(ROWS, M - r0)), [&](auto rows) {
+      constexpr int MT = decltype(rows)::value;
+      __m512 t[MT][NV];
+      for (int r = 0; r < MT; ++r)
+        for (int v = 0; v < NV; ++v) t[r][v] = _mm512_loadu_ps(T + ((r0 + r) * NV + v) * 16);
       if constexpr (F::MINS) {
-        __m512 m = _mm512_setzero_ps();
-        for (int64_t b = 0; b < a.KB; ++b) {
-          const uint8_t* pb = p[v] + b * PANEL_BLOCK;
-          const __m512 shifted = _mm512_sub_ps(scales(pb + 32), _mm512_mul_ps(scales(pb), _mm512_set1_ps(128.0f)));
-          m = _mm512_add_ps(m, _mm512_mul_ps(shifted, _mm512_set1_ps(a.sums[r * a.KB + b])));
-        }
-        y = _mm512_add_ps(y, m);
+        finish<MT, NV>(a, p, r0, g * PANEL_ROWS, t);
+      } else {
+        for (int r = 0; r < MT; ++r)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a.out + (r0 + r) * a.N + (g + v) * PANEL_ROWS, t[r][v]);
       }
-      _mm512_storeu_ps(a.out + r * a.N + (g + v) * PANEL_ROWS, y);
-    }
+    });
 }
 
 // Panels [g0, g1) for all M rows (one thread's share), two at a time, then one; the thread's tiles configured for
